@@ -1,0 +1,29 @@
+"""Errors a user can cause. Every message names the input, what was expected, and the fix."""
+
+
+class A3BError(Exception):
+    """Base class for every failure the user can cause or fix."""
+
+
+class ConfigError(A3BError):
+    """config.json is missing, unreadable, or describes a model we do not support."""
+
+
+class CheckpointError(A3BError):
+    """Weight files are missing, corrupt, unsafe, or disagree with the config."""
+
+
+class ImageError(A3BError):
+    """An input image cannot be decoded or is out of the supported range."""
+
+
+class PromptError(A3BError):
+    """A prompt is empty, too long, or its [[IMG]] markers disagree with the images."""
+
+
+class GenerationError(A3BError):
+    """Sampling settings or generation limits are out of range."""
+
+
+class PlacementError(A3BError):
+    """A memory budget cannot hold the model in any format."""
