@@ -1,0 +1,100 @@
+"""The model folder's tokenizer.json, wrapped by the `tokenizers` library (no transformers, no remote code)."""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken
+
+from .errors import CheckpointError
+
+# Qwen3.5's control tokens, in the order the real vocabulary numbers them. `<think>` and `</think>` are ordinary
+# (non-special) added tokens in the real tokenizer, so decoding keeps them in the text.
+SPECIAL_TOKENS = (
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>",
+    "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
+)
+THINK_TOKENS = ("<think>", "</think>")
+
+
+class Tokenizer:
+    """Text <-> token ids for one model folder."""
+
+    def __init__(self, backend: HFTokenizer, source: str = "tokenizer.json"):
+        self.backend = backend
+        self.source = source
+
+    @classmethod
+    def from_folder(cls, folder: str | Path) -> "Tokenizer":
+        path = Path(folder) / "tokenizer.json"
+        if not path.is_file():
+            raise CheckpointError(
+                f"{path}: tokenizer.json is missing. Copy it from the model's release into the model folder "
+                "(it sits beside config.json in every Qwen3.5 download).")
+        try:
+            return cls(HFTokenizer.from_file(str(path)), str(path))
+        except Exception as exc:  # the library raises plain Exceptions with terse messages
+            raise CheckpointError(f"{path}: cannot be read as a tokenizers JSON file ({exc}). "
+                                  "Re-download tokenizer.json from the model's release.") from exc
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; control tokens written in the text (e.g. `<|im_start|>`) become their ids."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_id(self, token: str) -> int:
+        tid = self.backend.token_to_id(token)
+        if tid is None:
+            raise CheckpointError(f"{self.source}: has no token {token!r}, which Qwen3.5 prompts need. "
+                                  "Use the tokenizer.json that came with the model.")
+        return tid
+
+    def maybe_token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+
+class StreamDecoder:
+    """Turns token ids into text increments, holding back bytes until they form whole UTF-8 characters."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, token_id: int) -> str:
+        """Adds one token; returns the newly completed text (possibly empty)."""
+        self.ids.append(token_id)
+        full = self.tokenizer.decode(self.ids, self.skip_special_tokens)
+        if full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
+            return ""
+        new = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text = full
+        return new
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> HFTokenizer:
+    """A byte-level BPE tokenizer with Qwen3.5's control tokens as the last ids of the vocabulary.
+
+    Used for the project's own small models (test fixtures, the demo model); real models ship their tokenizer.json.
+    """
+    added = len(SPECIAL_TOKENS) + len(THINK_TOKENS)
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - added, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus, trainer)
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
+    if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
+        raise ValueError(f"corpus too small for a {vocab_size}-token vocabulary")
+    return tok
