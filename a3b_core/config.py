@@ -1,0 +1,227 @@
+"""config.json -> frozen dataclasses, accepting every key spelling Qwen3.5-family releases use."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import ConfigError
+
+SUPPORTED_MODEL_TYPES = {
+    "qwen3_5_moe": True, "qwen3_5_moe_text": True,  # value: is MoE
+    "qwen3_5": False, "qwen3_5_text": False,
+}
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]  # "linear_attention" | "full_attention" per layer
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+    mrope_interleaved: bool
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_experts: int  # 0 for a dense model
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    intermediate_size: int  # dense MLP width (dense models only)
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    num_position_embeddings: int = 2304
+    out_hidden_size: int = 2048
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    text: TextConfig
+    vision: VisionConfig | None
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    vision_end_token_id: int
+    quantization: dict | None  # config.json's quantization_config, as given
+
+
+def _field(src: dict, key: str, where: str, *, default: Any = ..., types: type | tuple = (int,)) -> Any:
+    if key not in src or src[key] is None:
+        if default is ...:
+            raise ConfigError(f"{where}: the field '{key}' is missing. Use the config.json that came with the model.")
+        return default
+    value = src[key]
+    types = types if isinstance(types, tuple) else (types,)
+    if (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
+        raise ConfigError(f"{where}: the field '{key}' is {value!r}; expected {_type_names(types)}.")
+    return value
+
+
+def _type_names(types: tuple) -> str:
+    return " or ".join(t.__name__ for t in types)
+
+
+def _positive(src: dict, key: str, where: str, default: Any = ...) -> int:
+    value = _field(src, key, where, default=default)
+    if value <= 0:
+        raise ConfigError(f"{where}: the field '{key}' is {value}; expected a positive integer.")
+    return value
+
+
+def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = None) -> TextConfig:
+    top = top or {}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or top.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: 'rope_parameters' must be an object, got {rope!r}.")
+    num_layers = _positive(text, "num_hidden_layers", where)
+    hidden = _positive(text, "hidden_size", where)
+    num_heads = _positive(text, "num_attention_heads", where)
+    head_dim = _positive(text, "head_dim", where, default=hidden // num_heads)
+
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        interval = _positive(text, "full_attention_interval", where, default=4)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "linear_attention"}:
+        raise ConfigError(f"{where}: 'layer_types' must list {num_layers} entries, each 'full_attention' or "
+                          f"'linear_attention'; got {layer_types!r}.")
+
+    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", top.get("partial_rotary_factor", 0.25)))
+    theta = rope.get("rope_theta", text.get("rope_theta", top.get("rope_theta", 10_000_000.0)))
+    rotary_dim = int(head_dim * float(partial))
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ConfigError(f"{where}: partial_rotary_factor {partial} gives a rotary dimension of {rotary_dim} for "
+                          f"head_dim {head_dim}; expected an even number between 2 and head_dim.")
+    section = tuple(rope.get("mrope_section") or (rotary_dim // 2, 0, 0))
+    if sum(section) != rotary_dim // 2:
+        raise ConfigError(f"{where}: mrope_section {list(section)} sums to {sum(section)}; expected rotary_dim/2 = "
+                          f"{rotary_dim // 2}.")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only the default, unscaled rotary "
+                          "embedding); remove the rope scaling entry or use the release's config.json.")
+
+    eos = text.get("eos_token_id", top.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    experts = _positive(text, "num_experts", where) if is_moe else 0
+    return TextConfig(
+        vocab_size=_positive(text, "vocab_size", where),
+        hidden_size=hidden,
+        num_layers=num_layers,
+        layer_types=tuple(layer_types),
+        num_heads=num_heads,
+        num_kv_heads=_positive(text, "num_key_value_heads", where, default=num_heads),
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        rope_theta=float(theta),
+        mrope_section=section,
+        mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+        linear_num_key_heads=_positive(text, "linear_num_key_heads", where),
+        linear_num_value_heads=_positive(text, "linear_num_value_heads", where),
+        linear_key_head_dim=_positive(text, "linear_key_head_dim", where),
+        linear_value_head_dim=_positive(text, "linear_value_head_dim", where),
+        linear_conv_kernel_dim=_positive(text, "linear_conv_kernel_dim", where, default=4),
+        num_experts=experts,
+        num_experts_per_tok=_positive(text, "num_experts_per_tok", where) if is_moe else 0,
+        moe_intermediate_size=_positive(text, "moe_intermediate_size", where) if is_moe else 0,
+        shared_expert_intermediate_size=_positive(text, "shared_expert_intermediate_size", where) if is_moe else 0,
+        intermediate_size=0 if is_moe else _positive(text, "intermediate_size", where),
+        rms_norm_eps=float(_field(text, "rms_norm_eps", where, default=1e-6, types=(int, float))),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
+        max_position_embeddings=_positive(text, "max_position_embeddings", where, default=262144),
+        eos_token_ids=eos_ids,
+    )
+
+
+def parse_vision_config(vision: dict, where: str) -> VisionConfig:
+    if vision.get("deepstack_visual_indexes"):
+        raise ConfigError(f"{where}: vision_config.deepstack_visual_indexes is set; deepstack vision towers "
+                          "(Qwen3-VL) are not supported, only Qwen3.5/3.6 models.")
+    return VisionConfig(
+        depth=_positive(vision, "depth", where),
+        hidden_size=_positive(vision, "hidden_size", where),
+        num_heads=_positive(vision, "num_heads", where),
+        intermediate_size=_positive(vision, "intermediate_size", where),
+        patch_size=_positive(vision, "patch_size", where, default=16),
+        temporal_patch_size=_positive(vision, "temporal_patch_size", where, default=2),
+        spatial_merge_size=_positive(vision, "spatial_merge_size", where, default=2),
+        in_channels=_positive(vision, "in_channels", where, default=3),
+        num_position_embeddings=_positive(vision, "num_position_embeddings", where, default=2304),
+        out_hidden_size=_positive(vision, "out_hidden_size", where),
+        hidden_act=_field(vision, "hidden_act", where, default="gelu_pytorch_tanh", types=str),
+    )
+
+
+def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: expected a JSON object at the top level.")
+    model_type = raw.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(f"{where}: model_type {model_type!r} is not supported. This pack runs Qwen3.5/3.6 models "
+                          f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))}); pick such a model folder.")
+    text = raw.get("text_config", raw)
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: 'text_config' must be an object.")
+    vision = raw.get("vision_config")
+    if vision is not None and not isinstance(vision, dict):
+        raise ConfigError(f"{where}: 'vision_config' must be an object.")
+
+    def token(key: str, default: int) -> int:
+        value = raw.get(key, text.get(key, default))
+        if not isinstance(value, int):
+            raise ConfigError(f"{where}: the field '{key}' is {value!r}; expected an integer token id.")
+        return value
+
+    quant = raw.get("quantization_config")
+    return ModelConfig(
+        model_type=model_type,
+        text=parse_text_config(text, where, SUPPORTED_MODEL_TYPES[model_type], raw),
+        vision=parse_vision_config(vision, where) if vision else None,
+        image_token_id=token("image_token_id", 248056),
+        video_token_id=token("video_token_id", 248057),
+        vision_start_token_id=token("vision_start_token_id", 248053),
+        vision_end_token_id=token("vision_end_token_id", 248054),
+        quantization=quant if isinstance(quant, dict) else None,
+    )
+
+
+def load_config(folder: str | Path) -> ModelConfig:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"{path}: config.json is missing. Point the loader at the model folder itself (the one "
+                          "holding config.json and the .safetensors files).")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{path}: cannot be parsed as JSON ({exc}). Re-download config.json.") from exc
+    return parse_config(raw, str(path))
