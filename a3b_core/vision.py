@@ -166,9 +166,7 @@ class VisionTower(nn.Module):
         Returns [N / merge^2, out_hidden_size] LM-ready embeddings in pixel_values' dtype."""
         self._check_inputs(pixel_values, grids)
         tables = [self.grid_tables(t, gh, gw) for t, gh, gw in grids]
-        pos = torch.cat([table[0] for table in tables])
-        cos = torch.cat([table[1] for table in tables])
-        sin = torch.cat([table[2] for table in tables])
+        pos, cos, sin = (torch.cat(per_image) for per_image in zip(*tables))
         frame_lengths = [gh * gw for t, gh, gw in grids for _ in range(t)]
 
         x = self.patch_embed(pixel_values) + pos.to(pixel_values.dtype)
