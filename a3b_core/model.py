@@ -1,0 +1,340 @@
+"""The Qwen3.5 text decoder (MoE and dense), readable top to bottom.
+
+Layers alternate Gated DeltaNet (linear attention with a recurrent state) and gated full attention with partial,
+interleaved M-RoPE; every MLP is a softmax top-k mixture of experts with a sigmoid-gated shared expert (or a dense
+SwiGLU MLP in the dense sizes). Norms, softmaxes and the DeltaNet state are computed in fp32 whatever the weights are.
+Parameter names equal the checkpoint's, minus the "model.language_model." prefix.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .cache import Cache
+from .config import TextConfig
+
+GDN_CHUNK = 64
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm, y = x / rms(x) * (1 + w), in fp32."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + weight.float())).to(x.dtype)
+
+
+class ZeroCentredRMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps)
+
+
+def linear(dim_in: int, dim_out: int) -> nn.Linear:
+    return nn.Linear(dim_in, dim_out, bias=False)
+
+
+# ----------------------------------------------------------------------------------------------------- rotary
+def rotary_cos_sin(cfg: TextConfig, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [B, T, rotary_dim] from (t, h, w) positions [3, B, T]; frequency j reads the axis M-RoPE assigns it."""
+    half = cfg.rotary_dim // 2
+    inv_freq = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / cfg.rotary_dim)
+    axis = torch.zeros(half, dtype=torch.long)
+    t, h, w = cfg.mrope_section
+    j = torch.arange(half)
+    if cfg.mrope_interleaved:
+        axis[(j % 3 == 1) & (j < 3 * h)] = 1
+        axis[(j % 3 == 2) & (j < 3 * w)] = 2
+    else:
+        axis[t:t + h] = 1
+        axis[t + h:] = 2
+    pos = position_ids.to(torch.float64)[axis]  # [half, B, T]: each frequency's own axis
+    angles = (pos * inv_freq[:, None, None]).permute(1, 2, 0)  # [B, T, half]
+    emb = torch.cat([angles, angles], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotates the first rotary_dim channels of x [B, T, heads, D] (NeoX half rotation); the rest pass through."""
+    rd = cos.shape[-1]
+    rot, rest = x[..., :rd].float(), x[..., rd:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    rotated = rot * cos + torch.cat([-x2, x1], dim=-1) * sin
+    return torch.cat([rotated.to(x.dtype), rest], dim=-1)
+
+
+# --------------------------------------------------------------------------------------------- full attention
+class GatedAttention(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        nh, nkv, hd, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.q_proj = linear(h, nh * hd * 2)  # per head: hd query channels, then hd gate channels
+        self.k_proj = linear(h, nkv * hd)
+        self.v_proj = linear(h, nkv * hd)
+        self.o_proj = linear(nh * hd, h)
+        self.q_norm = ZeroCentredRMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = ZeroCentredRMSNorm(hd, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache | None,
+                key_mask: torch.Tensor | None) -> torch.Tensor:
+        cfg = self.cfg
+        b, t, _ = x.shape
+        nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, gate = self.q_proj(x).view(b, t, nh, 2 * hd).split(hd, dim=-1)
+        k = self.k_proj(x).view(b, t, nkv, hd)
+        v = self.v_proj(x).view(b, t, nkv, hd)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(k), cos, sin)
+        start = 0
+        if cache is not None:
+            start = cache.length
+            k, v = cache.append_kv(self.layer, k, v)  # all cached keys/values [B, start + t, nkv, hd]
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        # causal over absolute positions, and padding (key_mask [B, S]) masked out
+        s = k.shape[2]
+        query_pos = (start + torch.arange(t, device=x.device))[:, None]
+        key_pos = torch.arange(s, device=x.device)[None, :]
+        mask = key_pos <= query_pos
+        if key_mask is not None:  # a padding query still sees itself, so no row is empty (which would give NaN)
+            mask = (mask & key_mask[:, None, None, :s]) | (key_pos == query_pos)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != nkv)
+        o = o.transpose(1, 2).reshape(b, t, nh * hd)
+        return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, nh * hd)))
+
+
+# ------------------------------------------------------------------------------------------- gated deltanet
+class GatedDeltaNet(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h = cfg.hidden_size
+        self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = linear(h, self.conv_dim)
+        self.in_proj_z = linear(h, self.value_dim)
+        self.in_proj_b = linear(h, self.nv)
+        self.in_proj_a = linear(h, self.nv)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.linear_conv_kernel_dim, groups=self.conv_dim,
+                                bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(self.dv))
+        self.out_proj = linear(self.value_dim, h)
+
+    def forward(self, x: torch.Tensor, cache: Cache | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = self.in_proj_qkv(x)
+        history = cache.conv_state(self.layer) if cache is not None else None
+        qkv = F.silu(causal_conv(qkv, self.conv1d.weight, history))
+        q, k, v = qkv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = l2_normalize(q.view(b, t, self.nk, self.dk)) * self.dk ** -0.5
+        k = l2_normalize(k.view(b, t, self.nk, self.dk))
+        v = v.view(b, t, self.nv, self.dv)
+        # value head m reads key head m // (nv / nk): repeat-interleave
+        q = q.repeat_interleave(self.nv // self.nk, dim=2)
+        k = k.repeat_interleave(self.nv // self.nk, dim=2)
+        beta = torch.sigmoid(self.in_proj_b(x).float())
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        state = cache.recurrent_state(self.layer) if cache is not None else x.new_zeros(
+            b, self.nv, self.dk, self.dv, dtype=torch.float32)
+        q, k, v, beta, g = (z.transpose(1, 2) for z in (q, k, v, beta, g))  # heads first
+        if t == 1:
+            o, state = delta_rule_step(q, k, v, beta, g, state)
+        else:
+            o, state = delta_rule_chunked(q, k, v, beta, g, state)
+        if cache is not None:
+            cache.set_recurrent_state(self.layer, state)
+        o = gated_rms_norm(o.transpose(1, 2), self.in_proj_z(x).view(b, t, self.nv, self.dv), self.norm.weight,
+                           self.cfg.rms_norm_eps)
+        return self.out_proj(o.reshape(b, t, self.value_dim).to(x.dtype))
+
+
+def causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
+    """Depthwise causal conv of x [B, T, C] with weight [C, 1, K]; `history` [B, C, K-1] holds the previous inputs
+    and is updated in place. Written as K multiply-adds in fp32: torch's depthwise conv is slow on CPU."""
+    b, t, c = x.shape
+    kernel = weight.shape[-1]
+    xt = x.float().transpose(1, 2)
+    past = history.float() if history is not None else xt.new_zeros(b, c, kernel - 1)
+    full = torch.cat([past, xt], dim=-1)  # [B, C, K-1+T]
+    w = weight.float().view(c, kernel)
+    out = full[..., 0:t] * w[:, 0, None]
+    for i in range(1, kernel):
+        out = out + full[..., i:i + t] * w[:, i, None]
+    if history is not None:
+        history.copy_(full[..., -(kernel - 1):])
+    return out.transpose(1, 2).to(x.dtype)
+
+
+def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+
+
+def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """w * rms_norm(x) * silu(z): a plain (not zero-centred) weight, the gate applied after normalising."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight.float() * y * F.silu(z.float())
+
+
+def delta_rule_step(q, k, v, beta, g, state):
+    """One token: q, k [B, H, 1, dk], v [B, H, 1, dv], beta/g [B, H, 1], state [B, H, dk, dv] (fp32)."""
+    state = state * g[..., 0, None, None].exp()
+    kt, qt = k[:, :, 0], q[:, :, 0]
+    u = beta[:, :, 0, None] * (v[:, :, 0] - torch.einsum("bhk,bhkv->bhv", kt, state))
+    state = state + kt[..., :, None] * u[..., None, :]
+    o = torch.einsum("bhk,bhkv->bhv", qt, state)
+    return o[:, :, None], state
+
+
+def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = GDN_CHUNK):
+    """The same recurrence over many tokens, `chunk` at a time: inside a chunk it is a triangular solve and matmuls;
+    only the state passes between chunks. Shapes as delta_rule_step with L tokens."""
+    b, h, length, dk = k.shape
+    pad = -length % chunk
+    if pad:  # zero k/v/beta and g=0 on padding leave the state untouched
+        q, k, v = (F.pad(z, (0, 0, 0, pad)) for z in (q, k, v))
+        beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    n = (length + pad) // chunk
+    q, k, v = (z.reshape(b, h, n, chunk, -1) for z in (q, k, v))
+    beta, g = beta.reshape(b, h, n, chunk), g.reshape(b, h, n, chunk)
+    cum = g.cumsum(-1)  # G_i
+    lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # e^{G_i - G_j}, j <= i
+    kk = k @ k.transpose(-1, -2)
+    a = (beta[..., None] * decay * kk).tril(-1)
+    eye = torch.eye(chunk)
+    solve = lambda rhs: torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
+    u_value = solve(beta[..., None] * v)  # the part of U independent of the entering state
+    u_state = solve(beta[..., None] * cum.exp()[..., None] * k)  # the part multiplied by it
+    qk = (q @ k.transpose(-1, -2)) * decay
+    decay_to_end = (cum[..., -1:] - cum).exp()[..., None]  # e^{G_last - G_j}
+    out = torch.empty(b, h, n, chunk, v.shape[-1])
+    for c in range(n):
+        u = u_value[:, :, c] - u_state[:, :, c] @ state
+        out[:, :, c] = cum[:, :, c, :, None].exp() * (q[:, :, c] @ state) + qk[:, :, c] @ u
+        state = cum[:, :, c, -1, None, None].exp() * state + (k[:, :, c] * decay_to_end[:, :, c]).transpose(-1, -2) @ u
+    return out.reshape(b, h, n * chunk, -1)[:, :, :length], state
+
+
+# ----------------------------------------------------------------------------------------------------- mlps
+class SparseMoE(nn.Module):
+    """Softmax router, top-k renormalised, SwiGLU experts, plus a shared expert scaled by a sigmoid gate."""
+
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+        self.gate = linear(h, e)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # rows: gate then up
+        self.experts.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.shared_expert = DenseMLP(h, cfg.shared_expert_intermediate_size)
+        self.shared_expert_gate = linear(h, 1)
+        self.last_topk: torch.Tensor | None = None  # router choices of the last call, for inspection and tests
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        top_p, top_i = probs.topk(self.cfg.num_experts_per_tok, dim=-1)
+        top_p = (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
+        self.last_topk = top_i
+        out = self.routed_experts(x, top_i, top_p)
+        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.view(shape)
+
+    def routed_experts(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """Groups the (token, slot) pairs by expert and runs each used expert once on its tokens."""
+        inter = self.cfg.moe_intermediate_size
+        out = torch.zeros_like(x)
+        flat_e = top_i.reshape(-1)
+        order = flat_e.argsort(stable=True)
+        counts = torch.bincount(flat_e, minlength=self.cfg.num_experts).tolist()
+        tokens = order // top_i.shape[1]
+        weights = top_p.reshape(-1)[order]
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            idx = tokens[start:start + n]
+            gate_up = x[idx] @ self.experts.gate_up_proj[e].t()
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            out.index_add_(0, idx, (act @ self.experts.down_proj[e].t()) * weights[start:start + n, None])
+            start += n
+        return out
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = linear(hidden, inter)
+        self.up_proj = linear(hidden, inter)
+        self.down_proj = linear(inter, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ---------------------------------------------------------------------------------------------------- model
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: TextConfig, layer: int):
+        super().__init__()
+        self.is_full_attention = cfg.layer_types[layer] == "full_attention"
+        if self.is_full_attention:
+            self.self_attn = GatedAttention(cfg, layer)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, layer)
+        self.mlp = SparseMoE(cfg) if cfg.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, token_mask, key_mask):
+        h = self.input_layernorm(x)
+        if self.is_full_attention:
+            h = self.self_attn(h, cos, sin, cache, key_mask)
+        else:
+            if token_mask is not None:  # padded tokens must not enter the recurrent state
+                h = h * token_mask[..., None].to(h.dtype)
+            h = self.linear_attn(h, cache)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class TextModel(nn.Module):
+    def __init__(self, cfg: TextConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+
+    def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Cache | None = None,
+                attention_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """inputs_embeds [B, T, H]; position_ids [3, B, T]; attention_mask [B, T] (1 = real token, 0 = left padding)
+        covering only these T tokens. Returns fp32 logits [B, T, V] (or [B, 1, V] with last_only)."""
+        cos, sin = rotary_cos_sin(self.cfg, position_ids)
+        key_mask = None
+        if cache is not None:
+            key_mask = cache.extend_mask(attention_mask, inputs_embeds.shape[1])
+        elif attention_mask is not None:
+            key_mask = attention_mask.bool()
+        token_mask = attention_mask
+        x = inputs_embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, token_mask, key_mask)
+        if cache is not None:
+            cache.advance(inputs_embeds.shape[1])
+        if last_only:
+            x = x[:, -1:]
+        return self.lm_head(self.norm(x)).float()
