@@ -1,0 +1,248 @@
+"""load_model() and A3BModel: the engine contract the nodes, the CLI and the tests use."""
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import image as image_pipeline
+from .cache import Cache
+from .checkpoint import Checkpoint
+from .config import ModelConfig, load_config
+from .errors import A3BError, ConfigError, ImageError, PromptError
+from .model import TextModel
+from .positions import mrope_position_ids
+from .prompt import Prompt, Turn, build_prompt
+from .tokenizer import Tokenizer
+from .vision import VisionTower
+from .weights import VISION_PREFIXES, Progress, find_prefix, load_module, load_text_model
+
+COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PRESETS = ("auto", "8gb", "12gb", "16gb", "24gb", "48gb", "cpu")
+DEMO_MODEL_NAME = "a3b-demo"
+DEMO_MODEL_DIR = Path(__file__).parent / "demo" / DEMO_MODEL_NAME
+
+
+@dataclass
+class EncodedImages:
+    """Vision-tower output for a list of images, reusable across prompts."""
+    embeds: list[torch.Tensor]  # per image [tokens, hidden]
+    grids: list[tuple[int, int, int]]  # per image (t, gh, gw) in patches
+
+    def __len__(self) -> int:
+        return len(self.embeds)
+
+    def __getitem__(self, index: int | slice) -> "EncodedImages":
+        if isinstance(index, int):
+            index = slice(index, index + 1 if index != -1 else None)
+        return EncodedImages(self.embeds[index], self.grids[index])
+
+    def __add__(self, other: "EncodedImages") -> "EncodedImages":
+        return EncodedImages(self.embeds + other.embeds, self.grids + other.grids)
+
+    @property
+    def token_counts(self) -> list[int]:
+        return [e.shape[0] for e in self.embeds]
+
+
+@dataclass
+class LoadStats:
+    seconds: float = 0.0
+    tensors: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    if path is None or str(path) == DEMO_MODEL_NAME:
+        if not (DEMO_MODEL_DIR / "config.json").is_file():
+            raise ConfigError(f"the embedded demo model is missing from {DEMO_MODEL_DIR}; reinstall the pack or pass "
+                              "the path of a model folder.")
+        return DEMO_MODEL_DIR
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ConfigError(f"{folder}: model folder not found. Pass the folder that holds config.json and the "
+                          f".safetensors files (for example models/LLM/Qwen3.5-35B-A3B), or '{DEMO_MODEL_NAME}'.")
+    return folder
+
+
+def resolve_compute_dtype(compute_dtype: str, device: torch.device) -> torch.dtype:
+    if compute_dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"compute_dtype {compute_dtype!r} is not supported; use one of: auto, "
+                          f"{', '.join(COMPUTE_DTYPES)}.")
+    return COMPUTE_DTYPES[compute_dtype]
+
+
+def resolve_device(preset: str) -> torch.device:
+    if preset not in PRESETS:
+        raise ConfigError(f"preset {preset!r} is not one of {', '.join(PRESETS)}.")
+    if preset != "cpu" and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+class A3BModel:
+    def __init__(self, folder: Path, config: ModelConfig, text: TextModel, vision: VisionTower | None,
+                 tokenizer: Tokenizer | None, device: torch.device, dtype: torch.dtype, preset: str,
+                 load_stats: LoadStats):
+        self.folder = folder
+        self.config = config
+        self.text = text
+        self.vision = vision
+        self.tokenizer = tokenizer
+        self.device = device
+        self.dtype = dtype
+        self.preset = preset
+        self.load_stats = load_stats
+
+    # ------------------------------------------------------------------------------------------- images
+    @torch.inference_mode()
+    def encode_images(self, images, size: int = 384, resize: str = "stretch", srgb: bool = True,
+                      background: tuple[int, int, int] = (255, 255, 255)) -> EncodedImages:
+        """Any images (paths, PIL, arrays, a ComfyUI IMAGE batch) -> vision embeddings, one entry per image."""
+        if self.vision is None:
+            raise ImageError(f"{self.folder}: this model has no vision tower (config.json has no vision_config or "
+                             "the model.visual.* weights are missing); use a vision-language model for images.")
+        embeds, grids = [], []
+        for img in image_pipeline.images_from_input(images):
+            rgb = image_pipeline.load_image(img, background=background, srgb=srgb)
+            pixels, grid = image_pipeline.to_patches(image_pipeline.resize_image(rgb, size, resize))
+            embeds.append(self.vision(pixels.to(self.device, self.dtype), [grid]))
+            grids.append(grid)
+        return EncodedImages(embeds, grids)
+
+    # ------------------------------------------------------------------------------------------- prompts
+    def require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.folder}: tokenizer.json is missing, so text prompts cannot be built. Copy it "
+                              "from the model's release into the folder.")
+        return self.tokenizer
+
+    def build_prompt(self, user: str = "", system: str | None = None, images: EncodedImages | None = None,
+                     thinking: bool = False, history: Sequence[Turn] = (), add_vision_id: bool = False) -> "ChatPrompt":
+        images = images if images is not None else EncodedImages([], [])
+        prompt = build_prompt(self.require_tokenizer(), user, system=system, image_token_counts=images.token_counts,
+                              thinking=thinking, history=history, add_vision_id=add_vision_id)
+        return ChatPrompt(prompt, images)
+
+    # ------------------------------------------------------------------------------------------- forward
+    def embed(self, input_ids: torch.Tensor, images: EncodedImages | None) -> torch.Tensor:
+        """Token embeddings with each image pad token replaced, in order, by the next image embedding row."""
+        embeds = self.text.embed_tokens(input_ids.to(self.device))
+        pads = input_ids == self.config.image_token_id
+        n_pads = int(pads.sum())
+        image_rows = sum(images.token_counts) if images is not None else 0
+        if n_pads != image_rows:
+            raise PromptError(f"input_ids hold {n_pads} image pad tokens but the images supply {image_rows} "
+                              "embedding rows; build prompts with model.build_prompt so pads and images agree.")
+        if n_pads:
+            embeds[pads.to(self.device)] = torch.cat(images.embeds).to(embeds.dtype)
+        return embeds
+
+    def positions(self, input_ids: torch.Tensor, images: EncodedImages | None,
+                  attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+        """M-RoPE positions [3, B, T] and each row's rope delta; left padding gets position 0."""
+        b, t = input_ids.shape
+        positions = torch.zeros(3, b, t, dtype=torch.long)
+        deltas = []
+        grids = list(images.grids) if images is not None else []
+        merge = self.config.vision.spatial_merge_size if self.config.vision else 2
+        for row in range(b):
+            real = attention_mask[row].bool() if attention_mask is not None else torch.ones(t, dtype=torch.bool)
+            ids = input_ids[row][real.to(input_ids.device)].cpu()
+            n_pads, row_grids = int((ids == self.config.image_token_id).sum()), []
+            while n_pads > 0 and grids:
+                grid = grids.pop(0)
+                row_grids.append(grid)
+                n_pads -= grid[0] * (grid[1] // merge) * (grid[2] // merge)
+            pos, delta = mrope_position_ids(ids, row_grids, self.config.image_token_id, merge)
+            positions[:, row, real] = pos
+            deltas.append(delta)
+        return positions.to(self.device), deltas
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, images: EncodedImages | None = None, cache: Cache | None = None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        if position_ids is None:
+            position_ids, _ = self.positions(input_ids, images, attention_mask)
+        mask = attention_mask.to(self.device) if attention_mask is not None else None
+        return self.text(self.embed(input_ids, images), position_ids, cache, mask, last_only)
+
+    def logits(self, input_ids: torch.Tensor, images: EncodedImages | None = None,
+               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """LongTensor [B, T] -> float32 logits [B, T, vocab]; no cache is kept."""
+        input_ids = check_input_ids(input_ids, self.config.text.vocab_size)
+        return self.forward(input_ids, images, attention_mask=attention_mask)
+
+    def new_cache(self, batch: int, max_len: int) -> Cache:
+        return Cache(self.config.text, batch, max_len, self.dtype, self.device)
+
+    def release(self) -> None:
+        """Drops the weights; the handle cannot be used afterwards (load the model again)."""
+        self.text = None
+        self.vision = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A built prompt together with the encoded images it refers to."""
+    prompt: Prompt
+    images: EncodedImages
+
+    @property
+    def input_ids(self) -> tuple[int, ...]:
+        return self.prompt.input_ids
+
+
+def check_input_ids(input_ids, vocab_size: int) -> torch.Tensor:
+    ids = torch.as_tensor(input_ids)
+    if ids.dim() == 1:
+        ids = ids[None]
+    if ids.dim() != 2 or ids.numel() == 0 or ids.dtype in (torch.float16, torch.float32, torch.float64, torch.bool):
+        raise PromptError(f"input_ids must be a non-empty integer tensor [batch, tokens]; got shape "
+                          f"{tuple(ids.shape)} and dtype {ids.dtype}.")
+    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise PromptError(f"input_ids hold ids outside the vocabulary [0, {vocab_size}); got {int(ids.min())}.."
+                          f"{int(ids.max())}. Use the model's own tokenizer.")
+    return ids.long()
+
+
+def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", compute_dtype: str = "auto",
+               progress: Progress | None = None) -> A3BModel:
+    """Loads a Qwen3.5/3.6 model folder (or the embedded demo model) into the memory the preset allows."""
+    started = time.perf_counter()
+    folder = resolve_model_path(path)
+    config = load_config(folder)
+    device = resolve_device(preset)
+    dtype = resolve_compute_dtype(compute_dtype, device)
+    block = tuple((config.quantization or {}).get("weight_block_size") or (128, 128))
+    ckpt = Checkpoint(folder, fp8_block=block)
+    try:
+        with torch.device("meta"):
+            text = TextModel(config.text)
+        load_text_model(text, config.text, ckpt, dtype, progress)
+        vision = None
+        if config.vision is not None and any(VISION_PREFIXES[0] in n or n.startswith(VISION_PREFIXES[1])
+                                             for n in ckpt.infos):
+            with torch.device("meta"):
+                vision = VisionTower(config.vision)
+            load_module(vision, ckpt, find_prefix(ckpt, "pos_embed.weight", VISION_PREFIXES, "vision"), dtype)
+        tensors = len(ckpt.infos)
+    except A3BError:
+        raise
+    except (RuntimeError, ValueError) as exc:  # torch refusing a tensor that passed the header checks
+        raise A3BError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong to "
+                       "another model: download them again.") from exc
+    text.eval().to(device)
+    if vision is not None:
+        vision.eval().to(device)
+    tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
+    stats = LoadStats(seconds=time.perf_counter() - started, tensors=tensors)
+    return A3BModel(folder, config, text, vision, tokenizer, device, dtype, preset, stats)
