@@ -1,0 +1,291 @@
+"""Image pipeline: any image in -> sRGB 8-bit RGB PIL image -> resized -> normalised pixel patches.
+
+The patch step reproduces the model's image processor bit for bit (spec section 3.9): smart_resize to multiples of
+32, PIL bicubic resize on uint8, x/255 in float64 then float32, (x - mean) / std, block-major patches with the single
+frame duplicated to temporal_patch_size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import os
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
+
+from .errors import ImageError
+
+RESIZE_MODES = ("stretch", "letterbox", "crop", "native")
+MAX_INPUT_PIXELS = 8192 * 8192 * 2  # decompression-bomb guard for decoded inputs
+# The real preprocessor_config.json: size.shortest_edge / size.longest_edge (pixel counts, not edges).
+PROCESSOR_MIN_PIXELS = 256 * 256
+PROCESSOR_MAX_PIXELS = 4096 * 4096
+MAX_ASPECT_RATIO = 200
+
+_SRGB_PROFILE = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB"))
+# Which ICC colour space each working mode needs for its embedded profile to apply.
+_ICC_SPACE_FOR_MODE = {"RGB": "RGB ", "RGBA": "RGB ", "CMYK": "CMYK", "L": "GRAY"}
+_ICC_OUTPUT_MODE = {"RGB": "RGB", "RGBA": "RGBA", "CMYK": "RGB", "L": "RGB"}
+
+
+def _describe(src: Any) -> str:
+    """A short name for an input, for error messages."""
+    if isinstance(src, (str, os.PathLike)):
+        return f"image file '{os.fspath(src)}'"
+    if isinstance(src, Image.Image):
+        return f"PIL image (mode {src.mode}, {src.width}x{src.height})"
+    if isinstance(src, (np.ndarray, torch.Tensor)):
+        return f"{type(src).__name__} of shape {tuple(src.shape)} and dtype {src.dtype}"
+    return f"input of type {type(src).__name__}"
+
+
+def _check_pixel_count(width: int, height: int, name: str) -> None:
+    if width <= 0 or height <= 0:
+        raise ImageError(f"{name} has a degenerate size {width}x{height}; give an image with at least 1x1 pixels.")
+    if width * height > MAX_INPUT_PIXELS:
+        raise ImageError(
+            f"{name} is {width}x{height} = {width * height:,} pixels, more than the limit of {MAX_INPUT_PIXELS:,} "
+            "(a guard against decompression bombs); downscale it before loading."
+        )
+
+
+def _decode_pixels(img: Image.Image, name: str) -> None:
+    """Force PIL's lazy decoding now, so truncated or corrupt data fails here with a clear message."""
+    try:
+        img.load()
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise ImageError(f"{name} is truncated or corrupt ({e}); re-export or re-download the file.") from e
+
+
+def _open_file(path: str | os.PathLike, name: str) -> Image.Image:
+    """Open and fully decode a file (frame 0 for animations); the caller closes it."""
+    if not os.path.isfile(path):
+        raise ImageError(f"{name} does not exist or is not a file; check the path.")
+    try:
+        # Our own MAX_INPUT_PIXELS guard replaces PIL's warning; PIL's hard error above 2x its limit is kept.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            img = Image.open(path)
+    except Image.DecompressionBombError as e:
+        raise ImageError(
+            f"{name} has more pixels than the limit of {MAX_INPUT_PIXELS:,} ({e}); downscale it before loading."
+        ) from e
+    except UnidentifiedImageError as e:
+        raise ImageError(f"{name} is not an image format PIL can decode; save it as PNG or JPEG.") from e
+    except (OSError, SyntaxError, ValueError, EOFError) as e:
+        raise ImageError(f"{name} cannot be read ({e}); check the file and its permissions.") from e
+    with contextlib.ExitStack() as close_on_error:
+        close_on_error.callback(img.close)
+        _check_pixel_count(img.width, img.height, name)
+        img.seek(0)
+        _decode_pixels(img, name)
+        close_on_error.pop_all()
+    return img
+
+
+def _array_to_pil(arr: np.ndarray, name: str) -> Image.Image:
+    """HxW, HxWx1, HxWx3 or HxWx4 array of uint8, uint16, bool or float 0..1 -> L / RGB / RGBA PIL image."""
+    if arr.ndim == 3 and arr.shape[2] == 1:
+        arr = arr[:, :, 0]
+    if not (arr.ndim == 2 or (arr.ndim == 3 and arr.shape[2] in (3, 4))):
+        raise ImageError(
+            f"{name} is not an image array; expected HxW, HxWx1, HxWx3 or HxWx4 (channels last). "
+            "For a batch [B,H,W,C] use images_from_input()."
+        )
+    _check_pixel_count(arr.shape[1], arr.shape[0], name)
+    if arr.dtype == np.uint8:
+        pixels = arr
+    elif arr.dtype == np.uint16:
+        pixels = np.round(arr / 257.0).astype(np.uint8)
+    elif arr.dtype == np.bool_:
+        pixels = arr.astype(np.uint8) * 255
+    elif np.issubdtype(arr.dtype, np.floating):
+        if not np.isfinite(arr).all():
+            raise ImageError(f"{name} contains NaN or infinite values; give finite values in 0..1.")
+        # Round (not truncate) so that k/255 floats from ComfyUI come back as exactly k.
+        pixels = np.round(np.clip(arr.astype(np.float32), 0.0, 1.0) * 255.0).astype(np.uint8)
+    else:
+        raise ImageError(f"{name} has an unsupported dtype; use uint8, uint16, bool or float in 0..1.")
+    return Image.fromarray(np.ascontiguousarray(pixels))
+
+
+def _working_mode(img: Image.Image, name: str) -> Image.Image:
+    """Bring any PIL mode to one of L, RGB, RGBA, CMYK (8 bits per channel)."""
+    if img.mode == "I" or img.mode.startswith("I;16"):
+        # PIL's convert("L") would clip 16-bit values at 255 instead of scaling them.
+        return _array_to_pil(np.clip(np.asarray(img), 0, 65535).astype(np.uint16), name)
+    has_alpha = any(band in ("A", "a") for band in img.getbands()) or "transparency" in img.info
+    if has_alpha:
+        return img.convert("RGBA")
+    if img.mode in ("L", "RGB", "CMYK"):
+        return img
+    return img.convert("RGB")  # palette, 1-bit, YCbCr, LAB, HSV, float
+
+
+def _to_srgb(img: Image.Image, icc: bytes | None, name: str) -> Image.Image:
+    """Convert from the embedded ICC profile to sRGB; untagged images are taken as sRGB already."""
+    if not icc or img.mode not in _ICC_SPACE_FOR_MODE:
+        return img
+    try:
+        profile = ImageCms.ImageCmsProfile(io.BytesIO(icc))
+        if profile.profile.xcolor_space != _ICC_SPACE_FOR_MODE[img.mode]:
+            return img  # e.g. an RGB profile left on a greyscale file: it cannot describe these pixels
+        return ImageCms.profileToProfile(img, profile, _SRGB_PROFILE, outputMode=_ICC_OUTPUT_MODE[img.mode])
+    except (ImageCms.PyCMSError, OSError) as e:
+        # Browsers also fall back to sRGB for a broken profile; say so instead of failing.
+        warnings.warn(f"{name}: embedded ICC profile is unusable ({e}); treating the pixels as sRGB.")
+        return img
+
+
+def _normalise(img: Image.Image, background: tuple[int, int, int], srgb: bool, name: str) -> Image.Image:
+    icc = img.info.get("icc_profile")
+    img = ImageOps.exif_transpose(img)
+    img = _working_mode(img, name)
+    if srgb:
+        img = _to_srgb(img, icc, name)
+    if img.mode == "RGBA":
+        backdrop = Image.new("RGBA", img.size, (*background, 255))
+        img = Image.alpha_composite(backdrop, img)
+    return img.convert("RGB")
+
+
+def load_image(
+    src: Any, *, background: tuple[int, int, int] = (255, 255, 255), srgb: bool = True
+) -> Image.Image:
+    """Any supported input -> 8-bit RGB PIL image in sRGB (EXIF orientation applied, alpha over `background`).
+
+    `src`: a file path, a PIL image, a numpy array (HxW or HxWx1/3/4; uint8, uint16, bool or float 0..1) or a torch
+    tensor [H,W,C] (float 0..1 or uint8). Animated files give their first frame (a PIL image: its current frame).
+    """
+    name = _describe(src)
+    if isinstance(src, (str, os.PathLike)):
+        with _open_file(src, name) as img:
+            return _normalise(img, background, srgb, name)
+    if isinstance(src, Image.Image):
+        _check_pixel_count(src.width, src.height, name)
+        _decode_pixels(src, name)
+        return _normalise(src, background, srgb, name)
+    if isinstance(src, torch.Tensor):
+        tensor = src.detach().cpu()
+        src = tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
+    if isinstance(src, np.ndarray):
+        return _normalise(_array_to_pil(src, name), background, srgb, name)
+    raise ImageError(f"{name} is not an image; give a file path, PIL image, numpy array or torch tensor.")
+
+
+def images_from_input(images: Any) -> list[Image.Image]:
+    """One image, a list of images, or a [B,H,W,C] batch (ComfyUI IMAGE) -> list of RGB PIL images."""
+    items = list(images) if isinstance(images, (list, tuple)) else [images]
+    flat: list[Any] = []
+    for item in items:
+        if isinstance(item, (np.ndarray, torch.Tensor)) and item.ndim == 4:
+            flat.extend(item[i] for i in range(item.shape[0]))
+        else:
+            flat.append(item)
+    if not flat:
+        raise ImageError("No images were given (empty list or empty batch); connect at least one image.")
+    result = []
+    for index, item in enumerate(flat):
+        try:
+            result.append(load_image(item))
+        except ImageError as e:
+            raise ImageError(f"Image {index + 1} of {len(flat)}: {e}") from e
+    return result
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 32,
+    min_pixels: int = PROCESSOR_MIN_PIXELS,
+    max_pixels: int = PROCESSOR_MAX_PIXELS,
+) -> tuple[int, int]:
+    """(height, width) rounded to multiples of `factor` with the pixel count kept in [min_pixels, max_pixels]."""
+    if height <= 0 or width <= 0:
+        raise ImageError(f"Image size {width}x{height} is degenerate; give an image with at least 1x1 pixels.")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise ImageError(
+            f"Image size {width}x{height} has an aspect ratio above {MAX_ASPECT_RATIO}, which the vision encoder "
+            "cannot take; crop it or use resize mode 'stretch', 'letterbox' or 'crop'."
+        )
+    # Python's round() (half to even) on purpose: it is what the processor uses.
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt(height * width / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def resize_image(
+    img: Image.Image, size: int = 384, mode: str = "stretch", fill: tuple[int, int, int] = (0, 0, 0)
+) -> Image.Image:
+    """Resize with PIL bicubic: stretch to size x size, letterbox (fit and pad with `fill`), crop (cover and
+    centre-crop) or native (smart_resize of the original size; `size` is ignored)."""
+    if mode not in RESIZE_MODES:
+        raise ImageError(f"Unknown resize mode {mode!r}; use one of {', '.join(RESIZE_MODES)}.")
+    if mode == "native":
+        height, width = smart_resize(img.height, img.width)
+        return img.resize((width, height), Image.Resampling.BICUBIC)
+    if not isinstance(size, int) or size <= 0 or size % 32:
+        lower = max(32, size // 32 * 32) if isinstance(size, int) else 384
+        raise ImageError(f"Image size {size!r} is not a positive multiple of 32; use e.g. {lower} or {lower + 32}.")
+    if mode == "stretch":
+        return img.resize((size, size), Image.Resampling.BICUBIC)
+    if mode == "letterbox":
+        return ImageOps.pad(img, (size, size), method=Image.Resampling.BICUBIC, color=tuple(fill))
+    return ImageOps.fit(img, (size, size), method=Image.Resampling.BICUBIC, centering=(0.5, 0.5))
+
+
+def to_patches(
+    img: Image.Image,
+    patch_size: int = 16,
+    temporal_patch_size: int = 2,
+    merge_size: int = 2,
+    mean: tuple[float, float, float] = (0.5, 0.5, 0.5),
+    std: tuple[float, float, float] = (0.5, 0.5, 0.5),
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """RGB image -> (pixel_values float32 [gh*gw, 3*T*p*p], grid (1, gh, gw)), identical to the processor output.
+
+    Sides that are not valid are first brought there by smart_resize + bicubic, as the processor does; anything
+    but an RGB PIL image goes through load_image first.
+    """
+    if not isinstance(img, Image.Image) or img.mode != "RGB":
+        img = load_image(img)
+    factor = patch_size * merge_size
+    height, width = smart_resize(img.height, img.width, factor)
+    if (height, width) != (img.height, img.width):
+        img = img.resize((width, height), Image.Resampling.BICUBIC)
+    # Same arithmetic and dtypes as the processor: rescale in float64, then normalise in float32.
+    scaled = (np.asarray(img, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)
+    normed = (scaled - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    grid_h, grid_w = height // patch_size, width // patch_size
+    chw = torch.from_numpy(np.ascontiguousarray(normed.transpose(2, 0, 1)))
+    blocks = chw.reshape(3, grid_h // merge_size, merge_size, patch_size, grid_w // merge_size, merge_size, patch_size)
+    # -> (block_row, block_col, in_row, in_col, C, ph, pw): the block-major order the merger relies on.
+    blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6).unsqueeze(5)
+    frames = blocks.expand(*blocks.shape[:5], temporal_patch_size, patch_size, patch_size)
+    pixel_values = frames.reshape(grid_h * grid_w, 3 * temporal_patch_size * patch_size * patch_size).contiguous()
+    return pixel_values, (1, grid_h, grid_w)
+
+
+def preprocess(
+    src: Any,
+    size: int = 384,
+    mode: str = "stretch",
+    srgb: bool = True,
+    background: tuple[int, int, int] = (255, 255, 255),
+) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """load_image -> resize_image -> to_patches: the one-call path the engine uses."""
+    img = load_image(src, background=background, srgb=srgb)
+    return to_patches(resize_image(img, size, mode))
