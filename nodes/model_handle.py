@@ -1,0 +1,81 @@
+"""What travels on an A3B_MODEL wire: the engine model, how to load it again, and its entry in ComfyUI's manager."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import a3b_core
+
+from . import comfy_bridge as bridge
+
+PRESETS = ["auto", "8gb", "12gb", "16gb", "24gb", "48gb", "cpu"]
+WEIGHT_FORMATS = ["auto", "fp8", "bf16", "int8", "int4"]
+KV_CACHE_TYPES = ["auto", "bf16", "int8"]
+_GIB = 1024**3
+_UNLOAD_EVERYTHING = 1e30  # "auto" plans against all the memory the device has, so other models make room first
+
+
+def preset_budget_bytes(preset: str) -> float:
+    """Device memory to free before loading under `preset` (ComfyUI unloads other models until that much is free)."""
+    if preset == "cpu":
+        return 0
+    if preset == "auto":
+        return _UNLOAD_EVERYTHING
+    return int(preset.removesuffix("gb")) * _GIB
+
+
+class A3BModelHandle:
+    """A loaded (or reloadable) A3B model as the Loader hands it to the other nodes.
+
+    ComfyUI may unload the model between runs (another model needs the VRAM, or the user pressed "Unload models");
+    `acquire` then loads it again with the same settings, so a cached Loader output never dangles.
+    """
+
+    def __init__(self, path: str, preset: str, load_options: dict[str, Any], keep_loaded: bool):
+        self.path = path
+        self.preset = preset
+        self.load_options = load_options
+        self.keep_loaded = keep_loaded
+        self.plan_table = ""
+        self.plan_summary = ""
+        self._model: Any = None
+        self._residency = bridge.Residency(self.release, bridge.compute_device()) if bridge.Residency else None
+
+    @property
+    def loaded(self) -> bool:
+        return self._model is not None
+
+    def acquire(self, progress: Callable[[int, int], None] | None = None) -> Any:
+        """The engine model, loaded if needed, marked as in use in ComfyUI's model manager."""
+        if self._model is None:
+            self._load(progress)
+        if self._residency is not None:
+            bridge.keep_resident(self._residency)
+        return self._model
+
+    def _load(self, progress: Callable[[int, int], None] | None) -> None:
+        bridge.free_device_memory(preset_budget_bytes(self.preset))
+        device = bridge.compute_device()
+        before = bridge.device_bytes_in_use(device)
+        model = a3b_core.load_model(self.path, preset=self.preset, progress=progress, **self.load_options)
+        self._model = model
+        self.plan_table = str(model.plan)
+        self.plan_summary = model.plan.summary()
+        if self._residency is not None:
+            self._residency.mark_loaded(bridge.device_bytes_in_use(device) - before)
+        bridge.log.info("A3B model loaded from %s: %s", self.path, self.plan_summary)
+
+    def release(self) -> None:
+        """Frees the engine's weights and caches now; the next `acquire` loads the model again."""
+        if self._model is None:
+            return
+        model, self._model = self._model, None
+        model.release()
+        if self._residency is not None:
+            self._residency.mark_unloaded()
+        bridge.log.info("A3B model released: %s", self.path)
+
+    def finished_run(self) -> None:
+        """Called after each generation: frees the memory unless the user asked to keep the model loaded."""
+        if not self.keep_loaded:
+            self.release()

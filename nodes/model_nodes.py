@@ -1,0 +1,54 @@
+"""A3B Model Loader."""
+from __future__ import annotations
+
+from . import comfy_bridge as bridge
+from .comfy_bridge import io
+from .model_folders import DEMO_MODEL, loader_choices, resolve_model
+from .model_handle import KV_CACHE_TYPES, PRESETS, WEIGHT_FORMATS, A3BModelHandle
+from .wires import ModelWire
+
+CATEGORY = "A3B"
+
+
+class A3BModelLoader(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="A3BModelLoader",
+            display_name="A3B Model Loader",
+            category=CATEGORY,
+            description="Loads a Qwen3.5/3.6 A3B (or dense Qwen3.5) model from models/LLM with the pack's own "
+                        "engine, placed to fit the chosen VRAM preset, and shows the placement plan.",
+            inputs=[
+                io.Combo.Input("model", options=loader_choices(bridge.llm_roots()), default=DEMO_MODEL,
+                               tooltip="A model folder in ComfyUI/models/LLM (config.json, tokenizer.json and "
+                                       "*.safetensors, as released), or 'a3b-demo', the small built-in demo model."),
+                io.Combo.Input("vram_preset", options=PRESETS, default="auto",
+                               tooltip="GPU memory the model may use. 'auto' measures the free VRAM (other models "
+                                       "are unloaded first); a size keeps within that budget, putting experts in "
+                                       "system RAM when needed; 'cpu' runs everything on the CPU."),
+                io.Combo.Input("weight_format", options=WEIGHT_FORMATS, default="auto",
+                               tooltip="How weights are held in memory. 'auto' keeps the checkpoint's format (BF16 "
+                                       "or the official FP8); int8/int4 trade some accuracy for less memory."),
+                io.Combo.Input("kv_cache", options=KV_CACHE_TYPES, default="auto",
+                               tooltip="Format of the attention cache. int8 halves its memory for long contexts."),
+                io.Int.Input("max_context", default=0, min=0, max=262144, step=1024,
+                             tooltip="Longest prompt + answer in tokens the cache is sized for. 0 = the engine's "
+                                     "default for the chosen preset."),
+                io.Boolean.Input("keep_loaded", default=True,
+                                 tooltip="On: the model stays in memory between runs (ComfyUI still unloads it when "
+                                         "another model needs the memory). Off: freed after every generation."),
+            ],
+            outputs=[ModelWire.Output(display_name="model", tooltip="The loaded model, for Image Encode and "
+                                                                   "Generate.")],
+        )
+
+    @classmethod
+    def execute(cls, model: str, vram_preset: str, weight_format: str, kv_cache: str, max_context: int,
+                keep_loaded: bool) -> io.NodeOutput:
+        path = resolve_model(model, bridge.llm_roots())
+        options = {"weight_format": weight_format, "kv_cache": kv_cache, "max_context": max_context or None}
+        handle = A3BModelHandle(path, vram_preset, options, keep_loaded)
+        progress = bridge.Progress(1)
+        handle.acquire(progress=lambda done, total: progress.set(done, total))
+        return io.NodeOutput(handle, ui={"a3b_plan": [handle.plan_summary], "a3b_plan_table": [handle.plan_table]})

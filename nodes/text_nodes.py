@@ -1,0 +1,164 @@
+"""A3B Image Encode, A3B Prompt and A3B Generate."""
+from __future__ import annotations
+
+from typing import Any
+
+from . import comfy_bridge as bridge
+from .comfy_bridge import io
+from .live_text import LiveText
+from .model_handle import A3BModelHandle
+from .prompt_spec import MODES, SINGLE, PromptSpec, build_prompts
+from .wires import ImagesWire, ModelWire, PromptWire
+
+CATEGORY = "A3B"
+RESIZE_MODES = ["stretch", "letterbox", "crop", "native"]
+_MAX_SEED = 2**63 - 1
+
+
+class A3BImageEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="A3BImageEncode",
+            display_name="A3B Image Encode",
+            category=CATEGORY,
+            description="Runs the model's vision tower once over a batch of images; the result can feed any number "
+                        "of prompts without encoding again.",
+            inputs=[
+                ModelWire.Input("model", tooltip="From A3B Model Loader."),
+                io.Image.Input("image", tooltip="One image or a batch (e.g. from Load Image or Image Batch)."),
+                io.Int.Input("size", default=384, min=64, max=2048, step=32,
+                             tooltip="Side length in pixels the images are resized to (a multiple of 32). Larger "
+                                     "sizes show more detail and cost more image tokens. Ignored by 'native'."),
+                io.Combo.Input("resize", options=RESIZE_MODES, default="stretch",
+                               tooltip="stretch: squash to size x size; letterbox: fit inside and pad; crop: fill "
+                                       "and cut the overhang; native: keep the image's own size (within the "
+                                       "model's pixel limits, rounded to 32)."),
+                io.Boolean.Input("srgb", default=True,
+                                 tooltip="Treat the pixels as sRGB, as ComfyUI images are. Turn off only for images "
+                                         "already in linear light."),
+            ],
+            outputs=[ImagesWire.Output(display_name="images", tooltip="Encoded images for A3B Prompt.")],
+        )
+
+    @classmethod
+    def execute(cls, model: A3BModelHandle, image: Any, size: int, resize: str, srgb: bool) -> io.NodeOutput:
+        bridge.raise_if_interrupted()
+        count = int(image.shape[0])
+        progress = bridge.Progress(count)
+        encoded = model.acquire().encode_images(image, size=size, resize=resize, srgb=srgb)
+        progress.set(count)
+        return io.NodeOutput(encoded)
+
+
+class A3BPrompt(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="A3BPrompt",
+            display_name="A3B Prompt",
+            category=CATEGORY,
+            description="Writes the request: a system message, the user text with [[IMG]] where each image goes, "
+                        "and whether the model thinks first.",
+            inputs=[
+                io.String.Input("system", multiline=True, default="",
+                                tooltip="Optional system message (role, style, output format). Cannot hold images."),
+                io.String.Input("user", multiline=True, default="Describe [[IMG]] in detail.",
+                                tooltip="The request. Write [[IMG]] where each image goes, one marker per image "
+                                        "(in per-image mode: one marker). Without markers the images come first."),
+                io.Boolean.Input("thinking", default=False, label_on="on", label_off="off",
+                                 tooltip="On: the model reasons before answering (slower; the reasoning comes out "
+                                         "of Generate's 'reasoning' output). Off: it answers directly."),
+                ImagesWire.Input("images", optional=True, tooltip="Images from A3B Image Encode."),
+                PromptWire.Input("previous", optional=True,
+                                tooltip="The previous prompt of a conversation, to ask a follow-up question."),
+                io.String.Input("previous_answer", optional=True, force_input=True,
+                                tooltip="The answer Generate gave to 'previous'."),
+            ],
+            outputs=[PromptWire.Output(display_name="prompt", tooltip="For A3B Generate.")],
+        )
+
+    @classmethod
+    def execute(cls, system: str, user: str, thinking: bool, images: Any = None, previous: PromptSpec | None = None,
+                previous_answer: str = "") -> io.NodeOutput:
+        if previous is None:
+            spec = PromptSpec(user=user, system=system, images=images, thinking=thinking)
+        else:
+            spec = previous.followed_by(user, system, images, thinking, previous_answer)
+        return io.NodeOutput(spec)
+
+
+class A3BGenerate(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id="A3BGenerate",
+            display_name="A3B Generate",
+            category=CATEGORY,
+            description="Generates the answer, streaming it onto the node; Stop ends it within one token. The "
+                        "defaults are Qwen's recommended settings for answers without thinking.",
+            inputs=[
+                ModelWire.Input("model", tooltip="From A3B Model Loader."),
+                PromptWire.Input("prompt", tooltip="From A3B Prompt."),
+                io.Combo.Input("mode", options=MODES, default=SINGLE,
+                               tooltip="single: one answer for the whole prompt. per image: the prompt is asked "
+                                       "once for each image (decoded together as a batch), one answer per image."),
+                io.Int.Input("max_new_tokens", default=512, min=1, max=32768,
+                             tooltip="Upper limit on the answer's length in tokens (reasoning included)."),
+                io.Float.Input("temperature", default=0.7, min=0.0, max=2.0, step=0.05,
+                               tooltip="Randomness. 0 always picks the most likely token. Qwen recommends 0.7 "
+                                       "without thinking, 1.0 with thinking."),
+                io.Float.Input("top_p", default=0.8, min=0.0, max=1.0, step=0.01,
+                               tooltip="Sample only from the most likely tokens whose probabilities add up to this. "
+                                       "Qwen: 0.8 without thinking, 0.95 with thinking."),
+                io.Int.Input("top_k", default=20, min=0, max=1000,
+                             tooltip="Sample only from this many most likely tokens (0 = no limit). Qwen: 20."),
+                io.Float.Input("min_p", default=0.0, min=0.0, max=1.0, step=0.01,
+                               tooltip="Drop tokens less likely than this fraction of the top token. Qwen: 0."),
+                io.Float.Input("presence_penalty", default=1.5, min=0.0, max=2.0, step=0.05,
+                               tooltip="Discourages repeating tokens already used; against endless repetition. "
+                                       "Qwen: 1.5."),
+                io.Float.Input("repetition_penalty", default=1.0, min=1.0, max=2.0, step=0.01,
+                               tooltip="Divides the scores of tokens already used (1.0 = off). Qwen: 1.0."),
+                io.Int.Input("seed", default=0, min=0, max=_MAX_SEED, control_after_generate=True,
+                             tooltip="Random seed; the same seed and inputs give the same answer."),
+            ],
+            outputs=[
+                io.String.Output(display_name="answer", is_output_list=True,
+                                 tooltip="The answer; in per-image mode one answer per image (a list)."),
+                io.String.Output(display_name="reasoning", is_output_list=True,
+                                 tooltip="The thinking before each answer (empty with thinking off)."),
+            ],
+            hidden=[io.Hidden.unique_id],
+        )
+
+    @classmethod
+    def execute(cls, model: A3BModelHandle, prompt: PromptSpec, mode: str, max_new_tokens: int, temperature: float,
+                top_p: float, top_k: int, min_p: float, presence_penalty: float, repetition_penalty: float,
+                seed: int) -> io.NodeOutput:
+        bridge.raise_if_interrupted()
+        engine = model.acquire()
+        prompts = build_prompts(engine, prompt, mode)
+        node_id = cls.hidden.unique_id
+        live = LiveText(len(prompts), lambda text: bridge.send_text(node_id, text))
+        progress = bridge.Progress(max_new_tokens * len(prompts))
+
+        def on_text(index: int, text_so_far: str) -> None:
+            live.update(index, text_so_far)
+            progress.set(live.updates)
+
+        sampling = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                        min_p=min_p, presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
+                        seed=seed, should_stop=bridge.processing_interrupted)
+        try:
+            if len(prompts) == 1:
+                results = [engine.generate(prompts[0], on_text=lambda text: on_text(0, text), **sampling)]
+            else:
+                results = engine.generate_batch(prompts, on_text=on_text, **sampling)
+        finally:
+            model.finished_run()
+        bridge.raise_if_interrupted()  # stopped early: end as ComfyUI's "interrupted", not with a partial answer
+        answers = [result.text for result in results]
+        live.finish(answers)
+        progress.set(max_new_tokens * len(prompts))
+        return io.NodeOutput(answers, [result.reasoning for result in results], ui={"a3b_answer": answers})

@@ -1,0 +1,148 @@
+"""Starts and talks to a real ComfyUI 0.3.75 server (installed by .ci/comfyui.sh) with this checkout as a custom node."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CI_CACHE = Path(os.environ.get("A3B_CI_CACHE", Path.home() / ".cache" / "a3b-ci"))
+COMFYUI_DIR = Path(os.environ.get("A3B_COMFYUI_DIR", CI_CACHE / "comfyui"))
+NODE_MODULES = CI_CACHE / "node" / "node_modules"
+CHROMIUM = Path("/usr/bin/chromium")
+PACK_NAME = "a3b_nodes"
+START_TIMEOUT_S = 180
+RUN_TIMEOUT_S = 300
+
+
+def comfyui_missing_reason() -> str | None:
+    if not (COMFYUI_DIR / "main.py").is_file():
+        return f"ComfyUI 0.3.75 is not installed in {COMFYUI_DIR}; run `bash .ci/comfyui.sh {sys.executable}`"
+    try:
+        import aiohttp  # noqa: F401  (one of ComfyUI's requirements)
+    except ImportError:
+        return f"ComfyUI's requirements are not installed in {sys.executable}; run `bash .ci/comfyui.sh`"
+    return None
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class ComfyServer:
+    base: Path
+    port: int
+    process: subprocess.Popen
+    log_path: Path
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def output_dir(self) -> Path:
+        return self.base / "output"
+
+    def request(self, method: str, path: str, body: object = None) -> tuple[int, object]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=60) as response:
+                status, raw = response.status, response.read()
+        except urllib.error.HTTPError as error:
+            status, raw = error.code, error.read()
+        try:
+            return status, json.loads(raw or b"null")
+        except json.JSONDecodeError:
+            return status, raw.decode(errors="replace")
+
+    def get(self, path: str) -> object:
+        status, body = self.request("GET", path)
+        assert status == 200, f"GET {path} -> {status}: {body}"
+        return body
+
+    def queue(self, graph: dict, client_id: str | None = None) -> str:
+        body = {"prompt": graph} | ({"client_id": client_id} if client_id else {})
+        status, answer = self.request("POST", "/prompt", body)
+        assert status == 200, f"/prompt refused the graph ({status}): {json.dumps(answer, indent=1)}"
+        return answer["prompt_id"]
+
+    def wait(self, prompt_id: str, timeout_s: float = RUN_TIMEOUT_S) -> dict:
+        """The /history entry of a finished prompt (success, error or interrupted)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
+            if entry:  # ComfyUI writes the history entry once the prompt has finished, however it ended
+                return entry
+            self.assert_alive()
+            time.sleep(0.25)
+        raise AssertionError(f"prompt {prompt_id} did not finish within {timeout_s} s\n{self.log_tail()}")
+
+    def run(self, graph: dict, timeout_s: float = RUN_TIMEOUT_S) -> dict:
+        return self.wait(self.queue(graph), timeout_s)
+
+    def assert_alive(self) -> None:
+        if self.process.poll() is not None:
+            raise AssertionError(f"ComfyUI exited with code {self.process.returncode}\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def prepare_base(base: Path, models: dict[str, Path], inputs: list[Path]) -> None:
+    """A ComfyUI base directory: this checkout as a custom node, model folders in models/LLM, workflow inputs."""
+    (base / "custom_nodes").mkdir(parents=True)
+    (base / "custom_nodes" / PACK_NAME).symlink_to(REPO, target_is_directory=True)
+    llm = base / "models" / "LLM"
+    llm.mkdir(parents=True)
+    for name, folder in models.items():
+        (llm / name).symlink_to(folder, target_is_directory=True)
+    (base / "input").mkdir()
+    for image in inputs:
+        shutil.copy(image, base / "input" / image.name)
+    (base / "output").mkdir()
+    (base / "user").mkdir()
+
+
+def start_server(base: Path) -> ComfyServer:
+    port = free_port()
+    log_path = base / "comfyui.log"
+    env = dict(os.environ, HF_HUB_OFFLINE="1", DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
+    command = [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port),
+               "--disable-auto-launch", "--base-directory", str(base), "--database-url", "sqlite:///:memory:",
+               "--disable-api-nodes", "--log-stdout"]
+    with open(log_path, "wb") as log:
+        process = subprocess.Popen(command, cwd=COMFYUI_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = ComfyServer(base, port, process, log_path)
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        server.assert_alive()
+        try:
+            with urllib.request.urlopen(server.url + "/system_stats", timeout=5):
+                return server
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            time.sleep(0.5)
+    server.stop()
+    raise AssertionError(f"ComfyUI did not answer /system_stats within {START_TIMEOUT_S} s\n{server.log_tail()}")

@@ -1,0 +1,86 @@
+"""The pack as ComfyUI's /object_info describes it: five nodes, their inputs, defaults and tooltips."""
+from __future__ import annotations
+
+import pytest
+
+from tests.integration.comfy_server import PACK_NAME
+from tests.integration.conftest import BROKEN_MODEL, TINY_MODEL
+
+pytestmark = pytest.mark.comfyui
+
+EXPECTED = {
+    "A3BModelLoader": ("A3B Model Loader", ["model", "vram_preset", "weight_format", "kv_cache", "max_context",
+                                            "keep_loaded"], ["A3B_MODEL"]),
+    "A3BImageEncode": ("A3B Image Encode", ["model", "image", "size", "resize", "srgb"], ["A3B_IMAGES"]),
+    "A3BPrompt": ("A3B Prompt", ["system", "user", "thinking", "images", "previous", "previous_answer"],
+                  ["A3B_PROMPT"]),
+    "A3BGenerate": ("A3B Generate", ["model", "prompt", "mode", "max_new_tokens", "temperature", "top_p", "top_k",
+                                     "min_p", "presence_penalty", "repetition_penalty", "seed"],
+                    ["STRING", "STRING"]),
+    "A3BSaveCaptions": ("A3B Save Captions", ["captions", "subfolder", "names", "filename_prefix", "trigger_word",
+                                              "if_exists"], []),
+}
+
+
+def _inputs(info: dict) -> dict[str, tuple]:
+    return info["input"]["required"] | info["input"].get("optional", {})
+
+
+@pytest.fixture(scope="module")
+def object_info(comfy) -> dict:
+    info = comfy.get("/object_info")
+    assert "A3BModelLoader" in info, f"the pack did not load:\n{comfy.log_tail()}"
+    return info
+
+
+@pytest.mark.parametrize("node_id", sorted(EXPECTED))
+def test_node_is_listed_with_its_inputs_outputs_and_tooltips(object_info: dict, node_id: str) -> None:
+    display_name, input_names, outputs = EXPECTED[node_id]
+    info = object_info[node_id]
+    assert info["display_name"] == display_name
+    assert info["category"] == "A3B"
+    assert info["python_module"] == f"custom_nodes.{PACK_NAME}"
+    inputs = _inputs(info)
+    assert list(inputs) == input_names
+    assert info["output"] == outputs
+    missing_tooltips = [name for name, (_, options) in inputs.items() if not options.get("tooltip")]
+    assert missing_tooltips == []
+
+
+def test_loader_offers_the_demo_and_the_llm_folder_models(object_info: dict) -> None:
+    inputs = _inputs(object_info["A3BModelLoader"])
+    models = inputs["model"][1]["options"]
+    assert models[0] == "a3b-demo"
+    assert {TINY_MODEL, BROKEN_MODEL} <= set(models)
+    assert inputs["vram_preset"][1]["options"] == ["auto", "8gb", "12gb", "16gb", "24gb", "48gb", "cpu"]
+    assert inputs["vram_preset"][1]["default"] == "auto"
+    assert inputs["weight_format"][1]["options"] == ["auto", "fp8", "bf16", "int8", "int4"]
+    assert inputs["kv_cache"][1]["options"] == ["auto", "bf16", "int8"]
+
+
+def test_generate_defaults_are_qwens_non_thinking_settings(object_info: dict) -> None:
+    info = object_info["A3BGenerate"]
+    inputs = _inputs(info)
+    defaults = {name: inputs[name][1]["default"] for name in
+                ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty")}
+    assert defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.5,
+                        "repetition_penalty": 1.0}
+    assert inputs["seed"][1]["control_after_generate"] is True
+    assert inputs["mode"][1]["options"] == ["single", "per image"]
+    assert info["output_is_list"] == [True, True]
+    assert info["input"]["hidden"] == {"unique_id": ["UNIQUE_ID"]}
+
+
+def test_image_encode_and_save_captions_settings(object_info: dict) -> None:
+    encode = _inputs(object_info["A3BImageEncode"])
+    assert (encode["size"][1]["default"], encode["size"][1]["step"]) == (384, 32)
+    assert encode["resize"][1]["options"] == ["stretch", "letterbox", "crop", "native"]
+    assert encode["srgb"][1]["default"] is True
+    save = object_info["A3BSaveCaptions"]
+    assert save["output_node"] is True
+    assert _inputs(save)["if_exists"][1]["options"] == ["skip", "overwrite"]
+
+
+def test_the_js_extension_is_served(comfy) -> None:
+    scripts = comfy.get("/extensions")
+    assert f"/extensions/{PACK_NAME}/js/a3b.js" in scripts
