@@ -1,6 +1,6 @@
 """Tiny Qwen3.5 checkpoints in every layout a3b_core loads, plus fp32 reference outputs from the transformers oracle.
 
-`build_fixtures()` builds everything once (about 20 s on 2 cores) into a cache folder keyed by the source of this
+`build_fixtures()` builds everything once (about 10 s on 1 core) into a cache folder keyed by the source of this
 file, the tiny tokenizer and the transformers version, and returns a `Fixtures` with the paths. The cache lives in
 `$A3B_TEST_CACHE/<key>` (default `/tmp/a3b-test-cache/<key>`); a build goes to a temporary folder that is renamed into
 place, so a crashed build never leaves a half cache.
@@ -151,9 +151,8 @@ def cache_key() -> str:
 
 def build_fixtures(root: Path | None = None) -> Fixtures:
     """Build the fixtures into `root` unless they are already there; safe to call from several processes."""
-    if root is None:
-        root = Path(os.environ.get("A3B_TEST_CACHE", "/tmp/a3b-test-cache")) / cache_key()
-    root = Path(root)
+    root = Path(root) if root is not None else \
+        Path(os.environ.get("A3B_TEST_CACHE", "/tmp/a3b-test-cache")) / cache_key()
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others wait and reuse its result
@@ -462,7 +461,8 @@ def _all_refs(model: torch.nn.Module, images: list[Image.Image] | None) -> dict[
 def _build_all(root: Path) -> None:
     fx = _fixtures_at(root)
     (root / "refs").mkdir()
-    synthetic_image(384, 384, seed=11).save(fx.square_image)
+    # Seed 13: every router choice on these prompts has a logit margin > 1e-4, also after FP8 (seed 11 had 9e-6).
+    synthetic_image(384, 384, seed=13).save(fx.square_image)
     synthetic_image(300, 200, seed=12).save(fx.wide_image)
     images = [Image.open(fx.square_image).convert("RGB"), Image.open(fx.wide_image).convert("RGB")]
 
