@@ -1,6 +1,6 @@
 """Tiny Qwen3.5 checkpoints in every layout a3b_core loads, plus fp32 reference outputs from the transformers oracle.
 
-`build_fixtures()` builds everything once (about 10 s on 1 core) into a cache folder keyed by the source of this
+`build_fixtures()` builds everything once (10-20 s, one thread) into a cache folder keyed by the source of this
 file, the tiny tokenizer and the transformers version, and returns a `Fixtures` with the paths. The cache lives in
 `$A3B_TEST_CACHE/<key>` (default `/tmp/a3b-test-cache/<key>`); a build goes to a temporary folder that is renamed into
 place, so a crashed build never leaves a half cache.
