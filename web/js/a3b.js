@@ -1,3 +1,79 @@
+// A3B nodes: shows the Loader's placement plan, the Generate node's answer (live while it streams) and what
+// Save Captions wrote. The server sends the live text as ComfyUI "progress_text" messages and the rest as the
+// nodes' ui outputs (a3b_plan, a3b_answer, a3b_saved).
 import { app } from "../../../scripts/app.js";
+import { api } from "../../../scripts/api.js";
 
-app.registerExtension({ name: "a3b.nodes" });
+// ComfyUI's own frontend (1.2x+) already renders progress_text into this widget; where it exists we leave the live
+// text to it and only set the final answer, so the text is never shown twice.
+const NATIVE_TEXT_PREVIEW = "$$node-text-preview";
+
+function textPanel(node, name, rows) {
+  const existing = node.widgets?.find((w) => w.name === name);
+  if (existing) return existing;
+  const element = document.createElement("textarea");
+  element.readOnly = true;
+  element.rows = rows;
+  element.className = "a3b-text-panel";
+  Object.assign(element.style, {
+    width: "100%", boxSizing: "border-box", resize: "vertical", fontFamily: "monospace", fontSize: "11px",
+    background: "var(--comfy-input-bg, #222)", color: "var(--input-text, #ddd)", border: "none", borderRadius: "4px",
+  });
+  const widget = node.addDOMWidget(name, "a3b_text", element, {
+    serialize: false, // display only: never part of the saved workflow or the prompt
+    getValue: () => element.value,
+    setValue: (value) => { element.value = value; },
+  });
+  widget.a3bElement = element;
+  return widget;
+}
+
+function showText(node, name, text, rows = 6) {
+  const widget = textPanel(node, name, rows);
+  widget.a3bElement.value = text;
+  widget.a3bElement.scrollTop = widget.a3bElement.scrollHeight;
+  node.setDirtyCanvas?.(true, true);
+}
+
+function showAnswer(node, text) {
+  const native = node.widgets?.find((w) => w.name === NATIVE_TEXT_PREVIEW);
+  if (native) {
+    native.value = text;
+    node.setDirtyCanvas?.(true, true);
+  } else {
+    showText(node, "a3b_answer", text, 8);
+  }
+}
+
+function onLiveText(event) {
+  const { nodeId, text } = event.detail ?? {};
+  const node = app.graph?.getNodeById(nodeId);
+  if (node?.comfyClass !== "A3BGenerate") return;
+  // Run after every other listener, so a native text preview (if this frontend has one) exists by then.
+  setTimeout(() => {
+    if (!node.widgets?.some((w) => w.name === NATIVE_TEXT_PREVIEW)) showText(node, "a3b_answer", text, 8);
+  }, 0);
+}
+
+app.registerExtension({
+  name: "a3b.nodes",
+
+  setup() {
+    api.addEventListener("progress_text", onLiveText);
+  },
+
+  async beforeRegisterNodeDef(nodeType, nodeData) {
+    if (!["A3BModelLoader", "A3BGenerate", "A3BSaveCaptions"].includes(nodeData.name)) return;
+    const onExecuted = nodeType.prototype.onExecuted;
+    nodeType.prototype.onExecuted = function (message) {
+      onExecuted?.apply(this, arguments);
+      if (message?.a3b_plan) {
+        showText(this, "a3b_plan", message.a3b_plan.join("\n"), 3);
+        // the full placement table on hover
+        textPanel(this, "a3b_plan", 3).a3bElement.title = message.a3b_plan_table?.join("\n") ?? "";
+      }
+      if (message?.a3b_answer) showAnswer(this, message.a3b_answer.join("\n\n"));
+      if (message?.a3b_saved) showText(this, "a3b_saved", message.a3b_saved.join("\n"), 4);
+    };
+  },
+});

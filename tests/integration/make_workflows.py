@@ -1,0 +1,126 @@
+"""Builds workflows/<name>.json (UI format) and <name>.api.json (API format) with ComfyUI's own frontend.
+
+The nodes and links below are placed in the real frontend (headless Chromium), which then serializes the graph and
+converts it with app.graphToPrompt(), so both files are exactly what ComfyUI 0.3.75 itself writes.
+Run after changing a workflow or a node's inputs:  python -m tests.integration.make_workflows
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from tests.integration.comfy_server import NODE_MODULES, REPO, comfyui_missing_reason, prepare_base, start_server
+
+WORKFLOWS = REPO / "workflows"
+
+_LOADER = {"type": "A3BModelLoader", "pos": [40, 60], "size": [330, 300],
+           "widgets": {"model": "a3b-demo", "vram_preset": "auto"}}
+
+COMIC_STORYBOARD = {
+    "nodes": {
+        "loader": _LOADER,
+        "prompt": {"type": "A3BPrompt", "pos": [40, 400], "size": [460, 420], "widgets": {
+            "system": "You are a comic storyboard artist. You plan short comics panel by panel, for an artist and "
+                      "for an image generator.",
+            "user": "Write a 4-panel comic storyboard: a small robot finds a paint brush in a scrapyard and paints "
+                    "its first sunset.\nFor each panel write:\nPANEL n\nShot: camera angle, framing, characters, "
+                    "action\nDialogue: speech or captions (or none)\nPrompt: one line for an image generator, "
+                    "same character description in every panel",
+            "thinking": False}},
+        "generate": {"type": "A3BGenerate", "pos": [540, 60], "size": [420, 760], "widgets": {
+            "mode": "single", "max_new_tokens": 1024, "seed": 1234, "control_after_generate": "randomize"}},
+        "preview": {"type": "PreviewAny", "pos": [1000, 60], "size": [520, 760]},
+    },
+    "links": [["loader", 0, "generate", "model"], ["prompt", 0, "generate", "prompt"],
+              ["generate", 0, "preview", "source"]],
+}
+
+
+def _image_row(names: list[str], y: int) -> dict:
+    return {f"image{index}": {"type": "LoadImage", "pos": [40 + 250 * index, y], "size": [230, 320],
+                              "widgets": {"image": name}} for index, name in enumerate(names)}
+
+
+def _batched(names: list[str], x: int, y: int) -> tuple[dict, list]:
+    """LoadImage nodes joined into one batch by a chain of ImageBatch nodes; returns nodes, links, last key."""
+    nodes = _image_row(names, y)
+    links = []
+    previous = "image0"
+    for index in range(1, len(names)):
+        key = f"batch{index}"
+        nodes[key] = {"type": "ImageBatch", "pos": [x, y + 90 * (index - 1)], "size": [200, 50]}
+        links += [[previous, 0, key, "image1"], [f"image{index}", 0, key, "image2"]]
+        previous = key
+    return nodes, links, previous
+
+
+def _captioning(names: list[str], system: str, user: str, size: int, captions: dict) -> dict:
+    image_nodes, image_links, batch = _batched(names, 40 + 250 * len(names), 420)
+    x = 300 + 250 * len(names)
+    return {
+        "nodes": {
+            "loader": _LOADER,
+            **image_nodes,
+            "encode": {"type": "A3BImageEncode", "pos": [x, 420], "size": [300, 200],
+                       "widgets": {"size": size, "resize": "stretch"}},
+            "prompt": {"type": "A3BPrompt", "pos": [410, 60], "size": [440, 320],
+                       "widgets": {"system": system, "user": user, "thinking": False}},
+            "generate": {"type": "A3BGenerate", "pos": [890, 60], "size": [380, 700], "widgets": {
+                "mode": "per image", "max_new_tokens": 160, "seed": 7, "control_after_generate": "fixed"}},
+            "save": {"type": "A3BSaveCaptions", "pos": [1310, 60], "size": [330, 380],
+                     "widgets": {"names": "\n".join(names), **captions}},
+        },
+        "links": image_links + [["loader", 0, "encode", "model"], [batch, 0, "encode", "image"],
+                                ["encode", 0, "prompt", "images"], ["loader", 0, "generate", "model"],
+                                ["prompt", 0, "generate", "prompt"], ["generate", 0, "save", "captions"]],
+    }
+
+
+MULTI_ANGLE_CAPTIONING = _captioning(
+    ["a3b_angle_front.png", "a3b_angle_side.png", "a3b_angle_back.png"],
+    system="You caption multi-view character sheets for a training dataset. Every caption names the view and "
+           "describes the character the same way, so the views stay consistent.",
+    user="[[IMG]]\nCaption this view in one sentence. Start with the view (front view, side view, back view or "
+         "three-quarter view), then describe the character: hair, clothes, colors, pose.",
+    size=384,
+    captions={"subfolder": "a3b_captions/multi_angle", "if_exists": "overwrite"},
+)
+
+PIXEL_ART_LORA_CAPTIONING = _captioning(
+    ["a3b_pixel_knight.png", "a3b_pixel_slime.png", "a3b_pixel_tree.png", "a3b_pixel_potion.png"],
+    system="You caption images for training an image-generation LoRA. Describe what is shown, never the art "
+           "style: the trigger word stands for the style.",
+    user="[[IMG]]\nCaption this sprite in one line of comma-separated tags: subject, colors, pose or shape, "
+         "background.",
+    size=256,
+    captions={"subfolder": "a3b_captions/pixel_art", "trigger_word": "pxlart", "if_exists": "skip"},
+)
+
+SPECS = {"comic_storyboard": COMIC_STORYBOARD, "multi_angle_captioning": MULTI_ANGLE_CAPTIONING,
+         "pixel_art_lora_captioning": PIXEL_ART_LORA_CAPTIONING}
+
+
+def main() -> None:
+    reason = comfyui_missing_reason()
+    if reason:
+        sys.exit(reason)
+    with tempfile.TemporaryDirectory() as work:
+        base = Path(work) / "base"
+        prepare_base(base, {}, sorted((WORKFLOWS / "inputs").glob("*.png")))
+        specs = Path(work) / "specs.json"
+        specs.write_text(json.dumps(SPECS))
+        server = start_server(base)
+        try:
+            env = dict(os.environ, A3B_PLAYWRIGHT=str(NODE_MODULES / "playwright-core"))
+            subprocess.run(["node", str(Path(__file__).with_name("frontend.cjs")), "build", server.url,
+                            str(WORKFLOWS), str(specs)], check=True, env=env)
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()

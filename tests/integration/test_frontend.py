@@ -1,0 +1,48 @@
+"""ComfyUI's real frontend in headless Chromium: the JS extension registers, the shipped UI workflows load and
+convert to exactly the shipped API copies, and run with the answer streamed onto the Generate node."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.integration.comfy_server import CHROMIUM, NODE_MODULES, ComfyServer
+from tests.integration.conftest import TINY_MODEL, WORKFLOWS, error_message, load_api_workflow
+
+pytestmark = pytest.mark.comfyui
+
+UI_WORKFLOWS = sorted(path for path in WORKFLOWS.glob("*.json") if not path.name.endswith(".api.json"))
+FRONTEND_TIMEOUT_S = 900
+
+
+def run_frontend(comfy: ComfyServer, out_dir: Path, mode: str) -> dict:
+    playwright = NODE_MODULES / "playwright-core"
+    missing = [str(path) for path in (CHROMIUM, playwright) if not path.exists()]
+    if missing:
+        reason = f"headless browser not installed ({', '.join(missing)}); run `bash .ci/comfyui.sh`"
+        if os.environ.get("CI"):
+            pytest.fail(reason)
+        pytest.skip(reason)
+    command = ["node", str(Path(__file__).with_name("frontend.cjs")), "check", comfy.url, str(out_dir), TINY_MODEL,
+               mode, *map(str, UI_WORKFLOWS)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=FRONTEND_TIMEOUT_S,
+                          env=dict(os.environ, A3B_PLAYWRIGHT=str(playwright)))
+    assert done.returncode == 0, f"frontend check failed:\n{done.stderr[-4000:]}\n{comfy.log_tail()}"
+    report = json.loads(done.stdout)
+    assert report["pageErrors"] == []
+    assert [entry["name"] for entry in report["workflows"]] == [path.stem for path in UI_WORKFLOWS]
+    return report
+
+
+def test_the_three_workflows_are_shipped() -> None:
+    assert [path.stem for path in UI_WORKFLOWS] == ["comic_storyboard", "multi_angle_captioning",
+                                                     "pixel_art_lora_captioning"]
+
+
+def test_ui_workflows_convert_to_the_shipped_api_copies(comfy: ComfyServer, tmp_path: Path) -> None:
+    report = run_frontend(comfy, tmp_path, "convert")
+    for entry in report["workflows"]:
+        assert entry["apiPrompt"] == load_api_workflow(entry["name"]), entry["name"]
