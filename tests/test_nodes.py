@@ -1,0 +1,213 @@
+"""The node pack's logic that needs no ComfyUI: model folder listing and confinement, caption files, prompt
+ingredients, live text, and the bridge's behaviour outside ComfyUI."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from a3b_core.errors import ConfigError, PromptError
+from a3b_core.prompt import Turn
+from nodes import comfy_bridge
+from nodes.captions import caption_stems, caption_text, confined_folder, write_text_atomic
+from nodes.live_text import LiveText
+from nodes.model_folders import DEMO_MODEL, list_model_folders, loader_choices, resolve_model
+from nodes.model_handle import PRESETS, preset_budget_bytes
+from nodes.prompt_spec import PromptSpec, build_prompts
+
+
+def _model(folder: Path) -> Path:
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    return folder
+
+
+# --- model folders -----------------------------------------------------------------------------------------------
+
+def test_model_folders_are_listed_one_and_two_levels_deep(tmp_path: Path) -> None:
+    root = tmp_path / "LLM"
+    _model(root / "Qwen3.5-35B-A3B")
+    _model(root / "Qwen" / "Qwen3.6-35B-A3B-FP8")
+    (root / "not-a-model").mkdir()
+    (root / "loose.safetensors").write_bytes(b"")
+    assert list_model_folders([str(root), str(tmp_path / "missing")]) == ["Qwen/Qwen3.6-35B-A3B-FP8",
+                                                                         "Qwen3.5-35B-A3B"]
+    assert loader_choices([str(root)])[0] == DEMO_MODEL
+
+
+def test_a_symlinked_model_folder_is_listed_and_resolved(tmp_path: Path) -> None:
+    elsewhere = _model(tmp_path / "hf-cache" / "snapshot")
+    root = tmp_path / "LLM"
+    root.mkdir()
+    (root / "linked").symlink_to(elsewhere, target_is_directory=True)
+    assert list_model_folders([str(root)]) == ["linked"]
+    assert resolve_model("linked", [str(root)]) == str(root / "linked")
+
+
+def test_resolve_model_searches_every_root_and_passes_the_demo_name(tmp_path: Path) -> None:
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    _model(second / "m")
+    assert resolve_model("m", [str(first), str(second)]) == str(second / "m")
+    assert resolve_model(DEMO_MODEL, []) == DEMO_MODEL
+
+
+@pytest.mark.parametrize("name", ["../outside", "/etc", "a/../../b", "", "  "])
+def test_resolve_model_refuses_names_that_leave_the_llm_folders(tmp_path: Path, name: str) -> None:
+    _model(tmp_path / "outside")
+    root = tmp_path / "LLM"
+    root.mkdir()
+    with pytest.raises(ConfigError, match="not a folder name under models/LLM"):
+        resolve_model(name, [str(root)])
+
+
+def test_resolve_model_names_the_searched_folders_when_missing(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=f"was not found .* in: {tmp_path}"):
+        resolve_model("Qwen3.5-35B-A3B", [str(tmp_path)])
+
+
+# --- caption files -----------------------------------------------------------------------------------------------
+
+def test_confined_folder_accepts_relative_subfolders(tmp_path: Path) -> None:
+    root = tmp_path.resolve()
+    assert confined_folder(str(tmp_path), "") == root
+    assert confined_folder(str(tmp_path), "captions/set 1") == root / "captions" / "set 1"
+    assert confined_folder(str(tmp_path), "captions\\win") == root / "captions" / "win"
+
+
+@pytest.mark.parametrize("subfolder", ["..", "../x", "a/../../x", "/tmp/x", "C:\\x", "C:x", "a\\..\\..\\x"])
+def test_confined_folder_refuses_paths_out_of_the_output_folder(tmp_path: Path, subfolder: str) -> None:
+    with pytest.raises(ConfigError, match="must be a relative folder inside ComfyUI's output folder"):
+        confined_folder(str(tmp_path / "output"), subfolder)
+
+
+def test_confined_folder_refuses_a_link_out_of_the_output_folder(tmp_path: Path) -> None:
+    output = tmp_path / "output"
+    output.mkdir()
+    (output / "escape").symlink_to(tmp_path, target_is_directory=True)
+    with pytest.raises(ConfigError, match="through a link"):
+        confined_folder(str(output), "escape/x")
+
+
+def test_caption_stems_follow_the_image_names_or_number_the_files() -> None:
+    assert caption_stems("knight.png\n  slime.webp \n\nsub/dir/tree.jpg\n", 3, "x") == ["knight", "slime", "tree"]
+    assert caption_stems("C:\\data\\potion.png", 1, "x") == ["potion"]
+    assert caption_stems("", 3, "shot") == ["shot_00001", "shot_00002", "shot_00003"]
+    assert caption_stems(" \n", 1, "  ") == ["caption_00001"]
+
+
+def test_caption_stems_refuse_mismatched_or_duplicate_names() -> None:
+    with pytest.raises(ConfigError, match="names lists 2 image names but there are 3 captions"):
+        caption_stems("a.png\nb.png", 3, "x")
+    with pytest.raises(ConfigError, match="same file stem more than once \\(a\\)"):
+        caption_stems("a.png\na.jpg", 2, "x")
+    with pytest.raises(ConfigError, match="no usable file name"):
+        caption_stems("..", 1, "x")
+
+
+def test_caption_text_puts_the_trigger_word_first() -> None:
+    assert caption_text("  a knight, blue armor \n", "") == "a knight, blue armor\n"
+    assert caption_text("a knight", " pxlart ") == "pxlart, a knight\n"
+    assert caption_text("", "pxlart") == "pxlart\n"
+
+
+def test_write_text_atomic_skips_or_overwrites_and_leaves_no_temp_files(tmp_path: Path) -> None:
+    target = tmp_path / "new" / "knight.txt"
+    assert write_text_atomic(target, "first\n", overwrite=False) is True
+    assert write_text_atomic(target, "second\n", overwrite=False) is False
+    assert target.read_text() == "first\n"
+    assert write_text_atomic(target, "third\n", overwrite=True) is True
+    assert target.read_text() == "third\n"
+    assert os.listdir(target.parent) == ["knight.txt"]
+
+
+def test_write_text_atomic_keeps_the_old_file_when_writing_fails(tmp_path: Path) -> None:
+    target = tmp_path / "knight.txt"
+    target.write_text("kept\n")
+    with pytest.raises(TypeError):
+        write_text_atomic(target, None, overwrite=True)  # type: ignore[arg-type]
+    assert target.read_text() == "kept\n"
+    assert os.listdir(tmp_path) == ["knight.txt"]
+
+
+# --- prompt ingredients ------------------------------------------------------------------------------------------
+
+def test_a_follow_up_prompt_carries_the_previous_exchange_as_history() -> None:
+    first = PromptSpec(user="Name a colour.", system="Be brief.")
+    second = first.followed_by("Another one?", "Be brief.", None, True, "Blue.")
+    third = second.followed_by("And one more?", "", None, False, "Red.")
+    assert second.history == (Turn(user="Name a colour.", assistant="Blue."),)
+    assert third.history == (Turn(user="Name a colour.", assistant="Blue."),
+                             Turn(user="Another one?", assistant="Red."))
+    assert (third.user, third.thinking, third.image_count) == ("And one more?", False, 0)
+
+
+def test_a_follow_up_needs_the_previous_answer_and_a_text_only_previous_prompt() -> None:
+    with pytest.raises(PromptError, match="'previous_answer' is empty"):
+        PromptSpec(user="Hi").followed_by("Next", "", None, False, "  ")
+    with_images = PromptSpec(user="Describe [[IMG]]", images=[object(), object()])
+    with pytest.raises(PromptError, match="previous prompt had 2 images"):
+        with_images.followed_by("Next", "", None, False, "An answer.")
+
+
+def test_per_image_mode_needs_images_and_modes_are_checked() -> None:
+    with pytest.raises(PromptError, match="mode 'per image' needs images"):
+        build_prompts(object(), PromptSpec(user="Describe [[IMG]]"), "per image")
+    with pytest.raises(PromptError, match="is not one of"):
+        build_prompts(object(), PromptSpec(user="Hi"), "all at once")
+
+
+# --- live text ---------------------------------------------------------------------------------------------------
+
+class _ManualClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_live_text_throttles_and_always_sends_the_final_answers() -> None:
+    sent: list[str] = []
+    clock = _ManualClock()
+    live = LiveText(1, sent.append, clock)
+    live.update(0, "Hel")
+    live.update(0, "Hello")  # same instant: throttled
+    clock.now = 1.0
+    live.update(0, "Hello wor")
+    live.finish(["Hello world."])
+    assert sent == ["Hel", "Hello wor", "Hello world."]
+    assert live.updates == 3
+
+
+def test_live_text_shows_one_section_per_image_in_per_image_mode() -> None:
+    sent: list[str] = []
+    live = LiveText(2, sent.append, _ManualClock())
+    live.update(1, "a slime")
+    assert sent == ["[image 1]\n\n\n[image 2]\na slime"]
+    live.finish(["a knight", "a slime"])
+    assert sent[-1] == "[image 1]\na knight\n\n[image 2]\na slime"
+
+
+# --- bridge and presets ------------------------------------------------------------------------------------------
+
+def test_the_bridge_degrades_to_no_ops_outside_comfyui() -> None:
+    assert comfy_bridge.IN_COMFYUI is False
+    assert comfy_bridge.llm_roots() == []
+    assert comfy_bridge.processing_interrupted() is False
+    comfy_bridge.raise_if_interrupted()
+    comfy_bridge.send_text("1", "text")
+    comfy_bridge.free_device_memory(1 << 30)
+    comfy_bridge.Progress(10).set(5)
+    assert comfy_bridge.Residency is None
+    with pytest.raises(RuntimeError, match="only known inside ComfyUI"):
+        comfy_bridge.output_directory()
+
+
+def test_preset_budgets() -> None:
+    assert PRESETS == ["auto", "8gb", "12gb", "16gb", "24gb", "48gb", "cpu"]
+    assert preset_budget_bytes("cpu") == 0
+    assert preset_budget_bytes("12gb") == 12 * 1024**3
+    assert preset_budget_bytes("auto") > 1024**4  # everything: other models make room first
+
