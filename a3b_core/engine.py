@@ -131,11 +131,13 @@ class A3BModel:
 
     # ------------------------------------------------------------------------------------------- forward
     def embed(self, input_ids: torch.Tensor, images: EncodedImages | None) -> torch.Tensor:
-        """Token embeddings with each image pad token replaced, in order, by the next image embedding row."""
+        """Token embeddings; with `images`, each image pad token is replaced, in order, by the next image row.
+        Without images, pad ids embed as ordinary tokens (a model may generate one)."""
         embeds = self.text.embed_tokens(input_ids.to(self.device))
+        if images is None:
+            return embeds
         pads = input_ids == self.config.image_token_id
-        n_pads = int(pads.sum())
-        image_rows = sum(images.token_counts) if images is not None else 0
+        n_pads, image_rows = int(pads.sum()), sum(images.token_counts)
         if n_pads != image_rows:
             raise PromptError(f"input_ids hold {n_pads} image pad tokens but the images supply {image_rows} "
                               "embedding rows; build prompts with model.build_prompt so pads and images agree.")
@@ -177,7 +179,8 @@ class A3BModel:
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """LongTensor [B, T] -> float32 logits [B, T, vocab]; no cache is kept."""
         input_ids = check_input_ids(input_ids, self.config.text.vocab_size)
-        return self.forward(input_ids, images, attention_mask=attention_mask)
+        return self.forward(input_ids, images if images is not None else EncodedImages([], []),
+                            attention_mask=attention_mask)
 
     def new_cache(self, batch: int, max_len: int) -> Cache:
         return Cache(self.config.text, batch, max_len, self.dtype, self.device)

@@ -13,6 +13,7 @@ from torch import nn
 
 from .cache import Cache
 from .config import TextConfig
+from .experts import FloatExperts, QuantizedExperts
 
 GDN_CHUNK = 64
 
@@ -235,9 +236,7 @@ class SparseMoE(nn.Module):
         self.cfg = cfg
         h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.gate = linear(h, e)
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))  # rows: gate then up
-        self.experts.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self.experts: FloatExperts | QuantizedExperts = FloatExperts(e, h, i)
         self.shared_expert = DenseMLP(h, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = linear(h, 1)
         self.last_topk: torch.Tensor | None = None  # router choices of the last call, for inspection and tests
@@ -254,8 +253,12 @@ class SparseMoE(nn.Module):
         return out.view(shape)
 
     def routed_experts(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-        """Groups the (token, slot) pairs by expert and runs each used expert once on its tokens."""
+        """Groups the (token, slot) pairs by expert and runs each used expert once on its tokens, on the device
+        that holds the experts (hidden states of offloaded experts travel to the CPU and back)."""
         inter = self.cfg.moe_intermediate_size
+        home = x.device
+        device = self.experts.device
+        x, top_i, top_p = x.to(device), top_i.to(device), top_p.to(device)
         out = torch.zeros_like(x)
         flat_e = top_i.reshape(-1)
         order = flat_e.argsort(stable=True)
@@ -267,11 +270,11 @@ class SparseMoE(nn.Module):
             if n == 0:
                 continue
             idx = tokens[start:start + n]
-            gate_up = x[idx] @ self.experts.gate_up_proj[e].t()
+            gate_up = self.experts.gate_up(e, x[idx]).to(x.dtype)
             act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            out.index_add_(0, idx, (act @ self.experts.down_proj[e].t()) * weights[start:start + n, None])
+            out.index_add_(0, idx, self.experts.down(e, act).to(x.dtype) * weights[start:start + n, None])
             start += n
-        return out
+        return out.to(home)
 
 
 class DenseMLP(nn.Module):

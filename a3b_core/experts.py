@@ -1,0 +1,154 @@
+"""Routed-expert weights in one storage format per layer: float, FP8 (as released), int8 or int4 (weight-only).
+
+Every format offers the same two products, `gate_up(e, x)` and `down(e, x)` (x @ W_e^T), so the MoE layer's grouping
+loop does not care how the weights are stored. int8/int4 use torch's CPU weight-only kernels, which want bf16
+activations; FP8 is dequantised per use (only the experts a token picked).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import dequantize_fp8
+
+FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+EXPERT_FORMATS = (*FLOAT_FORMATS, "fp8", "int8", "int4")
+FP8_BLOCK = 128
+
+
+class FloatExperts(nn.Module):
+    """Fused expert tensors as in the official BF16 release: gate_up_proj [E, 2I, H] (gate rows first), down_proj
+    [E, H, I]. Also the trainable form (the demo model is trained with these parameters)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype))
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate_up_proj.device
+
+    def gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.gate_up_proj.dtype), self.gate_up_proj[e])
+
+    def down(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.down_proj.dtype), self.down_proj[e])
+
+
+class QuantizedStack(nn.Module):
+    """E matrices [E, out, in] stored as int8 (per output row scale), int4 (group-wise scale and zero) or FP8
+    (128x128 block scales); `matmul(e, x)` = x @ W_e^T in the activation dtype the format's kernel wants."""
+
+    def __init__(self, fmt: str, shape: tuple[int, int, int], device: torch.device | str = "cpu"):
+        super().__init__()
+        e, out, inp = shape
+        self.fmt, self.shape = fmt, shape
+        if fmt == "int8":
+            self.q = nn.Buffer(torch.empty(e, out, inp, dtype=torch.int8, device=device))
+            self.scale = nn.Buffer(torch.empty(e, out, dtype=torch.bfloat16, device=device))
+        elif fmt == "int4":
+            self.group = int4_group_size(inp)
+            self.q = nn.Buffer(torch.empty(e, out, inp // 2, dtype=torch.uint8, device=device))
+            self.scale = nn.Buffer(torch.empty(e, inp // self.group, out, 2, dtype=torch.bfloat16, device=device))
+        elif fmt == "fp8":
+            self.q = nn.Buffer(torch.empty(e, out, inp, dtype=torch.float8_e4m3fn, device=device))
+            self.scale = nn.Buffer(torch.empty(e, -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK), device=device))
+        else:
+            raise ValueError(f"unknown quantised format {fmt!r}")
+
+    def set(self, e: int, w: torch.Tensor) -> None:
+        """Quantises one expert's fp32 matrix [out, in] into slot e."""
+        if self.fmt == "int8":
+            q, scale = quantize_int8(w)
+        elif self.fmt == "int4":
+            q, scale = quantize_int4(w, self.group)
+        else:
+            q, scale = quantize_fp8(w)
+        self.q[e].copy_(q)
+        self.scale[e].copy_(scale)
+
+    def set_fp8(self, e: int, q: torch.Tensor, scale_inv: torch.Tensor) -> None:
+        """Stores an FP8 matrix as released (no requantisation)."""
+        self.q[e].copy_(q)
+        self.scale[e].copy_(scale_inv.float())
+
+    def dequantize(self, e: int) -> torch.Tensor:
+        if self.fmt == "int8":
+            return self.q[e].float() * self.scale[e].float()[:, None]
+        if self.fmt == "int4":
+            return dequantize_int4(self.q[e], self.scale[e], self.group, self.shape[1:])
+        return dequantize_fp8(self.q[e], self.scale[e], block=(FP8_BLOCK, FP8_BLOCK))
+
+    def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.q.device.type == "cpu":
+            if self.fmt == "int8":
+                return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q[e], self.scale[e])
+            if self.fmt == "int4":
+                return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.q[e], self.group, self.scale[e])
+        compute = torch.bfloat16 if x.dtype == torch.float32 and self.fmt != "fp8" else x.dtype
+        return F.linear(x.to(compute), self.dequantize(e).to(compute)).to(x.dtype)
+
+
+class QuantizedExperts(nn.Module):
+    def __init__(self, fmt: str, num_experts: int, hidden: int, inter: int, device: torch.device | str = "cpu"):
+        super().__init__()
+        self.fmt = fmt
+        self.gate_up_proj = QuantizedStack(fmt, (num_experts, 2 * inter, hidden), device)
+        self.down_proj = QuantizedStack(fmt, (num_experts, hidden, inter), device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate_up_proj.q.device
+
+    def gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.gate_up_proj.matmul(e, x)
+
+    def down(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.matmul(e, x)
+
+
+def int4_group_size(inp: int) -> int:
+    for group in (128, 64, 32):
+        if inp % group == 0:
+            return group
+    raise ValueError(f"int4 needs an input size divisible by 32; got {inp}")
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-row int8: w ~ q * scale."""
+    scale = (w.abs().amax(1) / 127).clamp(min=1e-12).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric group-wise int4 in torch's CPU layout: w ~ (q - 8) * scale + zero, per group of `group` inputs."""
+    out, inp = w.shape
+    g = w.reshape(out, inp // group, group)
+    low, high = g.amin(-1), g.amax(-1)
+    scale = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(out, inp)
+    zero = low + 8 * scale
+    scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    return torch._convert_weight_to_int4pack_for_cpu(q, 1), scale_zero
+
+
+def dequantize_int4(packed: torch.Tensor, scale_zero: torch.Tensor, group: int, shape: tuple[int, int]) -> torch.Tensor:
+    # the packed layout is the kernel's own: recover W by multiplying the identity through the kernel
+    eye = torch.eye(shape[1], dtype=torch.bfloat16)
+    return torch._weight_int4pack_mm_for_cpu(eye, packed, group, scale_zero).float().t()
+
+
+def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """128x128 block FP8 (e4m3) with one fp32 scale per block, as the official FP8 releases store it."""
+    out, inp = w.shape
+    rows, cols = -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK)
+    padded = F.pad(w, (0, cols * FP8_BLOCK - inp, 0, rows * FP8_BLOCK - out))
+    blocks = padded.reshape(rows, FP8_BLOCK, cols, FP8_BLOCK)
+    scale = (blocks.abs().amax(dim=(1, 3)) / 448).clamp(min=1e-12)
+    q = (blocks / scale[:, None, :, None]).reshape(padded.shape)[:out, :inp].to(torch.float8_e4m3fn)
+    return q, scale
+
+
