@@ -1,0 +1,353 @@
+"""KV-cached generation: one prefill, then one token per step against a preallocated cache.
+
+Prompts are ChatPrompts (from A3BModel.build_prompt, which knows the thinking mode) or raw token ids (thinking mode
+unknown: no reasoning split, the text is the raw output). A batch is left-padded to its longest prompt; each row keeps
+its own rope delta and rows that finish are dropped from the batch, so greedy rows give the tokens of separate runs.
+
+Streaming: `on_text` gets the whole output so far each time it grows (never a broken multi-byte character). In
+thinking mode it starts with "<think>\\n", so the reasoning shows live; the last call always carries
+`result.full_text`. `should_stop` is polled before the prefill and after every token; True ends the call with
+stop_reason "cancelled" and nothing left behind (the cache belongs to the call).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from numbers import Integral
+
+import torch
+
+from .cache import Cache
+from .engine import A3BModel, ChatPrompt, EncodedImages, check_input_ids
+from .errors import GenerationError, PromptError
+from .sampling import Sampler, SamplingParams, resolve_sampling
+from .tokenizer import StreamDecoder, Tokenizer
+
+DEFAULT_MAX_CONTEXT = 32768  # cap on the default context (the config allows 262144): it is preallocated per call
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+BUDGET_CLOSE = "\n</think>\n\n"  # forced when the thinking budget runs out; the model then writes its answer
+EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
+
+@dataclass
+class GenerationResult:
+    text: str  # the answer (thinking mode: after </think>; non-thinking: any stray think block removed)
+    reasoning: str  # what the model wrote inside its think block ("" when there was none)
+    token_ids: list[int]  # generated tokens only, forced ones and a final end token included
+    stats: dict = field(default_factory=dict)
+    stop_reason: str = ""  # "eos" | "stop_string" | "max_new_tokens" | "cancelled"
+
+    @property
+    def full_text(self) -> str:
+        """The reasoning in a think block, then the answer; just the answer when there is no reasoning."""
+        return f"{THINK_OPEN}\n{self.reasoning}\n{THINK_CLOSE}\n\n{self.text}" if self.reasoning else self.text
+
+
+def generate(model: A3BModel, prompt, *, max_new_tokens: int = 256, temperature: float | None = None,
+             top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
+             presence_penalty: float | None = None, repetition_penalty: float | None = None, seed: int = 0,
+             stop: str | Sequence[str] = (), thinking_budget: int | None = None, kv_dtype: str | None = None,
+             max_context: int | None = None, on_text: Callable[[str], None] | None = None,
+             should_stop: Callable[[], bool] | None = None) -> GenerationResult:
+    """Generates one answer. Sampler values left as None take Qwen's recommendation for the prompt's thinking mode
+    (see sampling.QWEN_RECOMMENDED); temperature 0 is greedy. `thinking_budget` caps the reasoning tokens, then
+    forces "</think>" so the model answers. `stop` strings end the answer (they are matched in the answer only and
+    left out of it). `kv_dtype="int8"` quantises the attention cache (see cache.py for its error bound)."""
+    stream = (lambda _index, text: on_text(text)) if on_text is not None else None
+    return _run(model, [prompt], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                min_p=min_p, presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, seed=seed,
+                stop=stop, thinking_budget=thinking_budget, kv_dtype=kv_dtype, max_context=max_context,
+                on_text=stream, should_stop=should_stop)[0]
+
+
+def generate_batch(model: A3BModel, prompts: Sequence, *, max_new_tokens: int = 256,
+                   temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
+                   min_p: float | None = None, presence_penalty: float | None = None,
+                   repetition_penalty: float | None = None, seed: int = 0, stop: str | Sequence[str] = (),
+                   thinking_budget: int | None = None, kv_dtype: str | None = None, max_context: int | None = None,
+                   on_text: Callable[[int, str], None] | None = None,
+                   should_stop: Callable[[], bool] | None = None) -> list[GenerationResult]:
+    """Generates an answer for each prompt, decoding them together; as `generate`, with on_text(index, text)."""
+    if isinstance(prompts, (str, ChatPrompt, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
+        raise PromptError("prompts must be a non-empty list of prompts (ChatPrompts from model.build_prompt, or "
+                          f"token-id lists); got {type(prompts).__name__}.")
+    return _run(model, list(prompts), max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
+                repetition_penalty=repetition_penalty, seed=seed, stop=stop, thinking_budget=thinking_budget,
+                kv_dtype=kv_dtype, max_context=max_context, on_text=on_text, should_stop=should_stop)
+
+
+# -------------------------------------------------------------------------------------------- inputs
+@dataclass(frozen=True)
+class _Request:
+    ids: list[int]
+    images: EncodedImages | None
+    thinking: bool | None  # None: raw token ids
+
+
+def _request(model: A3BModel, prompt, where: str) -> _Request:
+    if isinstance(prompt, ChatPrompt):
+        if not prompt.input_ids:
+            raise PromptError(f"{where} has no tokens; build it with model.build_prompt and a non-empty user text.")
+        return _Request(list(prompt.input_ids), prompt.images if len(prompt.images) else None,
+                        prompt.prompt.thinking)
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, torch.Tensor)):
+        raise PromptError(f"{where} is a {type(prompt).__name__}; pass a ChatPrompt (model.build_prompt) or a 1-D "
+                          "list/tensor of token ids.")
+    try:
+        ids = check_input_ids(prompt, model.config.text.vocab_size)
+    except PromptError as exc:
+        raise PromptError(f"{where}: {exc}") from None
+    if ids.shape[0] != 1:
+        raise PromptError(f"{where} holds {ids.shape[0]} sequences; pass one 1-D sequence per prompt "
+                          "(use generate_batch for several).")
+    return _Request(ids[0].tolist(), None, None)
+
+
+@dataclass(frozen=True)
+class _Options:
+    max_new_tokens: int
+    sampling: SamplingParams
+    seed: int
+    stop: tuple[str, ...]
+    thinking_budget: int | None
+    kv_dtype: str | None
+    max_context: int
+
+
+def _whole(name: str, value, minimum: int, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
+        raise GenerationError(f"{name} is {value!r}; expected a whole number >= {minimum}. {fix}")
+    return int(value)
+
+
+def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed, stop, thinking_budget, kv_dtype,
+             max_context, **sampler_values) -> _Options:
+    max_new_tokens = _whole("max_new_tokens", max_new_tokens, 1, "Ask for at least one new token.")
+    if isinstance(seed, bool) or not isinstance(seed, Integral):
+        raise GenerationError(f"seed is {seed!r}; expected a whole number.")
+    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) for s in stops):
+        raise GenerationError(f"stop is {stop!r}; expected a string or a list of strings.")
+    if thinking_budget is not None:
+        thinking_budget = _whole("thinking_budget", thinking_budget, 0, "Use None for no limit.")
+    positions = model.config.text.max_position_embeddings
+    if max_context is None:
+        max_context = min(positions, DEFAULT_MAX_CONTEXT)
+    max_context = _whole("max_context", max_context, 1, "Use None for the default.")
+    if max_context > positions:
+        raise GenerationError(f"max_context is {max_context} but the model supports {positions} positions "
+                              "(max_position_embeddings); lower max_context.")
+    for number, request in enumerate(requests):
+        if len(request.ids) + max_new_tokens > max_context:
+            which = "the prompt" if len(requests) == 1 else f"prompt {number}"
+            raise PromptError(f"{which} has {len(request.ids)} tokens; with max_new_tokens={max_new_tokens} that "
+                              f"exceeds max_context={max_context}. Shorten the prompt (fewer or smaller images), "
+                              "lower max_new_tokens, or raise max_context.")
+    modes = {r.thinking for r in requests}
+    if len(modes) > 1 and any(v is None for v in sampler_values.values()):
+        raise GenerationError("the prompts mix thinking modes, whose default sampler settings differ; generate "
+                              "them in separate batches or set every sampler value explicitly.")
+    sampling = resolve_sampling(modes.pop(), **sampler_values)
+    return _Options(max_new_tokens, sampling, int(seed) % 2 ** 64, tuple(s for s in stops if s), thinking_budget,
+                    kv_dtype, max_context)
+
+
+# ------------------------------------------------------------------------------------------ outputs
+def split_reasoning(raw: str, thinking: bool | None) -> tuple[str, str]:
+    """(reasoning, answer) of a raw output. In thinking mode the template already opened the think block. Every
+    think block, and in either mode anything before an unopened "</think>", is reasoning; the rest is the answer."""
+    if thinking is None:
+        return "", raw
+    text = (THINK_OPEN if thinking else "") + raw
+    reasoning, answer, pos = [], [], 0
+    while True:
+        open_at, close_at = text.find(THINK_OPEN, pos), text.find(THINK_CLOSE, pos)
+        if close_at != -1 and (open_at == -1 or close_at < open_at):  # a close with no open
+            reasoning.append(text[pos:close_at])
+            pos = close_at + len(THINK_CLOSE)
+        elif open_at == -1:
+            answer.append(text[pos:])
+            break
+        else:
+            answer.append(text[pos:open_at])
+            start = open_at + len(THINK_OPEN)
+            close_at = text.find(THINK_CLOSE, start)
+            if close_at == -1:  # still thinking when generation ended
+                reasoning.append(text[start:])
+                break
+            reasoning.append(text[start:close_at])
+            pos = close_at + len(THINK_CLOSE)
+    return "\n\n".join(p.strip() for p in reasoning if p.strip()), "".join(answer).strip()
+
+
+class SequenceOutput:
+    """One sequence's output as tokens arrive: its text so far (UTF-8 safe), thinking state, forced tokens, stop."""
+
+    def __init__(self, tokenizer: Tokenizer, thinking: bool | None, stop: tuple[str, ...] = (),
+                 thinking_budget: int | None = None, think_close_id: int | None = None,
+                 budget_close: Sequence[int] = ()):
+        self.thinking = thinking
+        self.decoder = StreamDecoder(tokenizer, skip_special_tokens=True)
+        self.prefix = THINK_OPEN + "\n" if thinking else ""
+        self.tokens: list[int] = []
+        self.stops = stop
+        self.budget = thinking_budget if thinking else None
+        self.think_close_id = think_close_id
+        self.budget_close = list(budget_close)
+        self.forced: list[int] = []
+        self.reasoning_open = bool(thinking)
+        self.reasoning_tokens = 0
+        self.answer_from = None if self.reasoning_open else 0  # where stop strings are searched from
+        self.searched = 0
+        self.stop_at: int | None = None
+        self.stop_reason: str | None = None
+
+    def choose(self, sampled: int) -> int:
+        """The token to append: the sampled one, or the next of a forced think-block close."""
+        if self.reasoning_open and self.budget is not None and self.reasoning_tokens >= self.budget \
+                and not self.forced:
+            self.forced = list(self.budget_close)
+            self.budget = None
+        if self.forced:
+            return self.forced.pop(0)
+        if self.reasoning_open:
+            self.reasoning_tokens += 1
+        return sampled
+
+    def add(self, token: int, eos_ids: frozenset[int]) -> bool:
+        """Appends a token; returns whether the visible text grew."""
+        self.tokens.append(token)
+        if token in eos_ids:
+            self.stop_reason = "eos"
+            return False
+        grew = bool(self.decoder.push(token))
+        text = self.decoder.text
+        if self.reasoning_open and token == self.think_close_id:
+            self.reasoning_open = False
+            self.answer_from = text.rfind(THINK_CLOSE) + len(THINK_CLOSE)
+        if self.stops and self.answer_from is not None and grew:
+            start = max(self.answer_from, self.searched - max(map(len, self.stops)) + 1)
+            hits = [i for i in (text.find(s, start) for s in self.stops) if i != -1]
+            self.searched = len(text)
+            if hits:
+                self.stop_at, self.stop_reason = min(hits), "stop_string"
+        return grew
+
+    @property
+    def live_text(self) -> str:
+        return self.prefix + self.decoder.text
+
+    def result(self, stats: dict) -> GenerationResult:
+        raw = self.decoder.text if self.stop_at is None else self.decoder.text[:self.stop_at]
+        reasoning, text = split_reasoning(raw, self.thinking)
+        reason = self.stop_reason or "max_new_tokens"
+        return GenerationResult(text, reasoning, self.tokens, stats | {"new_tokens": len(self.tokens),
+                                                                        "stop_reason": reason}, reason)
+
+
+# --------------------------------------------------------------------------------------------- the loop
+def _run(model: A3BModel, prompts: list, *, max_new_tokens, temperature, top_p, top_k, min_p, presence_penalty,
+         repetition_penalty, seed, stop, thinking_budget, kv_dtype, max_context,
+         on_text: Callable[[int, str], None] | None, should_stop: Callable[[], bool] | None) -> list[GenerationResult]:
+    where = (lambda i: "the prompt") if len(prompts) == 1 else (lambda i: f"prompt {i}")
+    requests = [_request(model, p, where(i)) for i, p in enumerate(prompts)]
+    opts = _options(model, requests, max_new_tokens=max_new_tokens, seed=seed, stop=stop,
+                    thinking_budget=thinking_budget, kv_dtype=kv_dtype, max_context=max_context,
+                    temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                    presence_penalty=presence_penalty, repetition_penalty=repetition_penalty)
+    tokenizer = model.require_tokenizer()
+    thinking = any(r.thinking for r in requests)
+    think_close_id = tokenizer.token_id(THINK_CLOSE) if thinking else None
+    budget_close = tokenizer.encode(BUDGET_CLOSE) if thinking else []
+    eos_ids = frozenset(model.config.text.eos_token_ids) | {
+        i for i in map(tokenizer.maybe_token_id, EOS_TOKENS) if i is not None}
+    rows = [SequenceOutput(tokenizer, r.thinking, opts.stop, opts.thinking_budget, think_close_id, budget_close)
+            for r in requests]
+    with torch.inference_mode():
+        stats = _decode(model, requests, rows, opts, eos_ids, on_text, should_stop or (lambda: False))
+    results = []
+    for index, (row, request) in enumerate(zip(rows, requests)):
+        result = row.result(stats | {"prompt_tokens": len(request.ids)})
+        if on_text is not None and result.full_text != row.live_text:
+            on_text(index, result.full_text)
+        results.append(result)
+    return results
+
+
+def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput], opts: _Options,
+            eos_ids: frozenset[int], on_text: Callable[[int, str], None] | None, should_stop: Callable[[], bool]) -> dict:
+    device, text_cfg = model.device, model.config.text
+    started = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    lengths = [len(r.ids) for r in requests]
+    width = max(lengths)
+    pad_id = min(eos_ids, default=0)  # any id: padding is masked out
+    ids = torch.full((len(requests), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(requests), width, dtype=torch.long)
+    for b, request in enumerate(requests):
+        ids[b, width - lengths[b]:] = torch.tensor(request.ids)
+        mask[b, width - lengths[b]:] = 1
+    images = [r.images for r in requests if r.images is not None]
+    images = sum(images[1:], images[0]) if images else None
+    mask = mask if min(lengths) < width else None
+    cache = Cache(text_cfg, len(requests), width + opts.max_new_tokens, model.dtype, device, opts.kv_dtype)
+    sampler = Sampler(opts.sampling, [r.ids for r in requests], text_cfg.vocab_size, device, opts.seed)
+    stats = {"batch_size": len(requests), "kv_cache_bytes": cache.nbytes, "ttft_s": 0.0, "prefill_tok_s": 0.0,
+             "decode_tok_s": 0.0}
+    if should_stop():
+        for row in rows:
+            row.stop_reason = "cancelled"
+        return stats | _peak_memory(device)
+
+    position_ids, deltas = model.positions(ids, images, mask)
+    # a generated token at unpadded index n gets position n + delta; its cache index is n + (width - length)
+    offsets = torch.tensor([n - width + d for n, d in zip(lengths, deltas)], device=device)
+    logits = model.forward(ids.to(device), images, cache, mask, position_ids, last_only=True)[:, -1]
+    active = list(range(len(rows)))  # rows still in the batch, in batch order
+    decoded = 0
+    for step in range(opts.max_new_tokens):
+        sampled = sampler(logits).tolist()
+        if step == 0:
+            stats["ttft_s"] = time.perf_counter() - started
+            stats["prefill_tok_s"] = sum(lengths) / stats["ttft_s"]
+        chosen = [rows[r].choose(s) for r, s in zip(active, sampled)]
+        tokens = torch.tensor(chosen, device=device)
+        sampler.observe(tokens)
+        for r, token in zip(active, chosen):
+            if rows[r].add(token, eos_ids) and on_text is not None:
+                on_text(r, rows[r].live_text)
+        if should_stop():
+            for r in active:
+                rows[r].stop_reason = rows[r].stop_reason or "cancelled"
+        keep = [i for i, r in enumerate(active) if rows[r].stop_reason is None]
+        if not keep or step == opts.max_new_tokens - 1:
+            break
+        if len(keep) < len(active):  # finished rows leave the batch
+            kept = torch.tensor(keep, device=device)
+            cache.keep_rows(kept)
+            sampler.keep_rows(kept)
+            offsets, tokens = offsets[kept], tokens[kept]
+            active = [active[i] for i in keep]
+        position = (cache.length + offsets).view(1, -1, 1).expand(3, -1, -1)
+        logits = model.text(model.text.embed_tokens(tokens[:, None]), position, cache, None, last_only=True)[:, -1]
+        decoded += len(active)
+    decode_s = time.perf_counter() - started - stats["ttft_s"]
+    stats["decode_tok_s"] = decoded / decode_s if decoded and decode_s > 0 else 0.0
+    return stats | _peak_memory(device)
+
+
+def _peak_memory(device: torch.device) -> dict:
+    """Peak bytes: CUDA memory allocated during this call, or the process's peak resident set on CPU."""
+    if device.type == "cuda":
+        return {"peak_memory_bytes": torch.cuda.max_memory_allocated(device), "peak_memory_kind": "cuda_allocated"}
+    try:
+        import resource  # POSIX only
+    except ImportError:
+        return {"peak_memory_bytes": None, "peak_memory_kind": "unavailable"}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"peak_memory_bytes": peak if sys.platform == "darwin" else peak * 1024,  # Linux reports KiB
+            "peak_memory_kind": "process_peak_rss"}
