@@ -1,13 +1,16 @@
 """Starts and talks to a real ComfyUI 0.3.75 server (installed by .ci/comfyui.sh) with this checkout as a custom node."""
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import shutil
 import socket
+import struct
 import subprocess
 import sys
 import time
+import uuid
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -94,12 +97,52 @@ class ComfyServer:
     def run(self, graph: dict, timeout_s: float = RUN_TIMEOUT_S) -> dict:
         return self.wait(self.queue(graph), timeout_s)
 
+    def run_watching(self, graph: dict, interrupt_after_text_from: str | None = None) -> tuple[dict, list]:
+        """Runs `graph` while listening on the websocket as the frontend does. Returns the /history entry and the
+        live text messages [(node_id, text)]; with `interrupt_after_text_from`, POSTs /interrupt as soon as that node
+        has streamed its first text."""
+        return asyncio.run(asyncio.wait_for(self._watch(graph, interrupt_after_text_from), RUN_TIMEOUT_S))
+
+    async def _watch(self, graph: dict, interrupt_node: str | None) -> tuple[dict, list]:
+        import aiohttp  # one of ComfyUI's requirements, so present wherever these tests run
+
+        client_id, live, interrupted = uuid.uuid4().hex, [], False
+        async with aiohttp.ClientSession() as session:
+            async with session.ws_connect(f"{self.url}/ws?clientId={client_id}") as ws:
+                prompt_id = await asyncio.to_thread(self.queue, graph, client_id)
+                async for message in ws:
+                    if message.type == aiohttp.WSMsgType.BINARY:
+                        node_id, text = _progress_text(message.data)
+                        if node_id is None:
+                            continue
+                        live.append((node_id, text))
+                        if node_id == interrupt_node and not interrupted:
+                            interrupted = True
+                            await session.post(f"{self.url}/interrupt")
+                    elif message.type == aiohttp.WSMsgType.TEXT:
+                        event = json.loads(message.data)
+                        if event["type"] in ("execution_success", "execution_error", "execution_interrupted") \
+                                and event["data"].get("prompt_id") == prompt_id:
+                            break
+        return await asyncio.to_thread(self.wait, prompt_id), live
+
     def assert_alive(self) -> None:
         if self.process.poll() is not None:
             raise AssertionError(f"ComfyUI exited with code {self.process.returncode}\n{self.log_tail()}")
 
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
     def log_tail(self, chars: int = 6000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
+        return self.log_text()[-chars:]
+
+    def wait_for_log(self, text: str, occurrences: int = 1, timeout_s: float = 60) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.log_text().count(text) < occurrences:
+            self.assert_alive()
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{text!r} did not appear {occurrences} times in the log\n{self.log_tail()}")
+            time.sleep(0.25)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -109,6 +152,15 @@ class ComfyServer:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait()
+
+
+def _progress_text(data: bytes) -> tuple[str | None, str]:
+    """Decodes ComfyUI's binary progress_text message: event 3, node id length, node id, text."""
+    event, = struct.unpack(">I", data[:4])
+    if event != 3:
+        return None, ""
+    length, = struct.unpack(">I", data[4:8])
+    return data[8:8 + length].decode(), data[8 + length:].decode()
 
 
 def prepare_base(base: Path, models: dict[str, Path], inputs: list[Path]) -> None:

@@ -90,13 +90,13 @@ MULTI_ANGLE_CAPTIONING = _captioning(
     captions={"subfolder": "a3b_captions/multi_angle", "if_exists": "overwrite"},
 )
 
+# The pixel-art scenes are drawn by the demo model's own data generator, and the request is the one it was trained
+# on, so the workflow gives sensible captions with "a3b-demo" as well as with a real Qwen model.
 PIXEL_ART_LORA_CAPTIONING = _captioning(
-    ["a3b_pixel_knight.png", "a3b_pixel_slime.png", "a3b_pixel_tree.png", "a3b_pixel_potion.png"],
-    system="You caption images for training an image-generation LoRA. Describe what is shown, never the art "
-           "style: the trigger word stands for the style.",
-    user="[[IMG]]\nCaption this sprite in one line of comma-separated tags: subject, colors, pose or shape, "
-         "background.",
-    size=256,
+    ["a3b_pixel_heart.png", "a3b_pixel_star_circle.png", "a3b_pixel_triangle.png", "a3b_pixel_square.png"],
+    system="",
+    user="Describe the image.",
+    size=384,
     captions={"subfolder": "a3b_captions/pixel_art", "trigger_word": "pxlart", "if_exists": "skip"},
 )
 
