@@ -25,7 +25,9 @@ from .errors import GenerationError, PromptError
 from .sampling import Sampler, SamplingParams, resolve_sampling
 from .tokenizer import StreamDecoder, Tokenizer
 
-DEFAULT_MAX_CONTEXT = 32768  # cap on the default context (the config allows 262144): it is preallocated per call
+# The default context cap (configs allow 262144): room for Qwen's recommended 32768-token answers after a long
+# prompt, while a typo in max_new_tokens still fails fast instead of allocating a huge cache.
+DEFAULT_MAX_CONTEXT = 65536
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 BUDGET_CLOSE = "\n</think>\n\n"  # forced when the thinking budget runs out; the model then writes its answer
 EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -36,6 +38,9 @@ class GenerationResult:
     text: str  # the answer (thinking mode: after </think>; non-thinking: any stray think block removed)
     reasoning: str  # what the model wrote inside its think block ("" when there was none)
     token_ids: list[int]  # generated tokens only, forced ones and a final end token included
+    # prompt_tokens, new_tokens, stop_reason, batch_size, ttft_s, prefill_tok_s, decode_tok_s (all rows of a batch),
+    # kv_cache_bytes (the call's whole cache), peak_memory_bytes with peak_memory_kind: "cuda_allocated" (this call)
+    # or "process_peak_rss" (the process so far; CPU)
     stats: dict = field(default_factory=dict)
     stop_reason: str = ""  # "eos" | "stop_string" | "max_new_tokens" | "cancelled"
 
@@ -128,7 +133,7 @@ def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed,
     max_new_tokens = _whole("max_new_tokens", max_new_tokens, 1, "Ask for at least one new token.")
     if isinstance(seed, bool) or not isinstance(seed, Integral):
         raise GenerationError(f"seed is {seed!r}; expected a whole number.")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop)
+    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) for s in stops):
         raise GenerationError(f"stop is {stop!r}; expected a string or a list of strings.")
     if thinking_budget is not None:
@@ -278,7 +283,8 @@ def _run(model: A3BModel, prompts: list, *, max_new_tokens, temperature, top_p, 
 
 
 def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput], opts: _Options,
-            eos_ids: frozenset[int], on_text: Callable[[int, str], None] | None, should_stop: Callable[[], bool]) -> dict:
+            eos_ids: frozenset[int], on_text: Callable[[int, str], None] | None,
+            should_stop: Callable[[], bool]) -> dict:
     device, text_cfg = model.device, model.config.text
     started = time.perf_counter()
     if device.type == "cuda":

@@ -202,6 +202,7 @@ def test_stop_string_ends_the_answer_before_it(model):
     assert cut.stop_reason == "stop_string"
     assert cut.text == full.text[:full.text.index(stop)].strip()
     assert cut.token_ids == full.token_ids[:len(cut.token_ids)]
+    assert generate(model, prompt, max_new_tokens=24, temperature=0, stop=None).token_ids == full.token_ids
 
 
 def tiny_tokenizer(model):
