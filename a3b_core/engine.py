@@ -1,6 +1,8 @@
 """load_model() and A3BModel: the engine contract the nodes, the CLI and the tests use."""
 from __future__ import annotations
 
+import hashlib
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,10 +20,12 @@ from .positions import mrope_position_ids
 from .prompt import Prompt, Turn, build_prompt
 from .tokenizer import Tokenizer
 from .vision import VisionTower
-from .weights import VISION_PREFIXES, Progress, find_prefix, load_module, load_text_model
+from .experts import EXPERT_FORMATS
+from .weights import FORMAT_OF_DTYPE, VISION_PREFIXES, Progress, find_prefix, load_module, load_text_model
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PRESETS = ("auto", "8gb", "12gb", "16gb", "24gb", "48gb", "cpu")
+EXPERT_CACHE_VERSION = 1
 DEMO_MODEL_NAME = "a3b-demo"
 DEMO_MODEL_DIR = Path(__file__).parent / "demo" / DEMO_MODEL_NAME
 
@@ -217,8 +221,16 @@ def check_input_ids(input_ids, vocab_size: int) -> torch.Tensor:
     return ids.long()
 
 
+def expert_cache_dir(ckpt: Checkpoint, fmt: str) -> Path:
+    """Where converted experts of this checkpoint are kept: keyed by the weight files' names, sizes and times."""
+    root = Path(os.environ.get("A3B_CACHE_DIR", Path.home() / ".cache" / "a3b-nodes")) / "experts"
+    key = hashlib.sha256(repr((str(ckpt.folder.resolve()), fmt, EXPERT_CACHE_VERSION, [
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.files])).encode()).hexdigest()[:16]
+    return root / f"{ckpt.folder.name}-{fmt}-{key}"
+
+
 def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", compute_dtype: str = "auto",
-               progress: Progress | None = None) -> A3BModel:
+               weight_format: str = "auto", progress: Progress | None = None) -> A3BModel:
     """Loads a Qwen3.5/3.6 model folder (or the embedded demo model) into the memory the preset allows."""
     started = time.perf_counter()
     folder = resolve_model_path(path)
@@ -230,7 +242,11 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     try:
         with torch.device("meta"):
             text = TextModel(config.text)
-        load_text_model(text, config.text, ckpt, dtype, progress)
+        fmt = FORMAT_OF_DTYPE[dtype] if weight_format == "auto" else weight_format
+        if fmt not in EXPERT_FORMATS:
+            raise ConfigError(f"weight_format {weight_format!r} is not one of auto, {', '.join(EXPERT_FORMATS)}.")
+        cache = expert_cache_dir(ckpt, fmt) if fmt in ("int8", "int4") else None
+        load_text_model(text, config.text, ckpt, dtype, progress, lambda layer: (fmt, torch.device("cpu")), cache)
         vision = None
         if config.vision is not None and any(VISION_PREFIXES[0] in n or n.startswith(VISION_PREFIXES[1])
                                              for n in ckpt.infos):

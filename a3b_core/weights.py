@@ -5,14 +5,19 @@ loading never holds a second copy of the weights.
 """
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .checkpoint import Checkpoint
 from .config import TextConfig
 from .errors import CheckpointError
+from .experts import FLOAT_FORMATS, FP8_BLOCK, QuantizedExperts
 
 TEXT_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.", "")
 VISION_PREFIXES = ("model.visual.", "visual.")
@@ -66,9 +71,26 @@ def load_module(module: nn.Module, ckpt: Checkpoint, prefix: str, compute_dtype:
             progress(n + 1, len(params))
 
 
+ExpertPlacement = Callable[[int], tuple[str, torch.device]]  # layer -> (expert format, device)
+
+
 def load_text_model(module: nn.Module, cfg: TextConfig, ckpt: Checkpoint, compute_dtype: torch.dtype,
-                    progress: Progress | None = None) -> None:
+                    progress: Progress | None = None, expert_placement: ExpertPlacement | None = None,
+                    cache_dir: Path | None = None) -> None:
+    """Fills a meta-device TextModel. Routed experts follow `expert_placement` (default: the compute dtype, on the
+    CPU); quantised formats are converted one expert at a time and cached under `cache_dir` for the next load."""
     prefix = find_prefix(ckpt, "embed_tokens.weight", TEXT_PREFIXES, "language model")
+    placement = expert_placement or (lambda layer: (FORMAT_OF_DTYPE[compute_dtype], torch.device("cpu")))
+    float_experts: dict[int, torch.dtype] = {}
+    for layer, block in enumerate(module.layers):
+        if not cfg.is_moe:
+            continue
+        fmt, device = placement(layer)
+        if fmt in FLOAT_FORMATS:
+            float_experts[layer] = FLOAT_FORMATS[fmt]
+        else:
+            block.mlp.experts = load_quantized_experts(ckpt, f"{prefix}layers.{layer}.mlp.experts.", cfg, fmt, device,
+                                                       cache_dir / f"layer{layer}.safetensors" if cache_dir else None)
 
     def special(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
         if name == "lm_head.weight":
@@ -80,31 +102,92 @@ def load_text_model(module: nn.Module, cfg: TextConfig, ckpt: Checkpoint, comput
                                   "the embeddings. The checkpoint is incomplete: download all of its shards.")
         if ".mlp.experts." in name:
             layer = int(name.split(".")[1])
-            return load_experts(ckpt, f"{prefix}layers.{layer}.mlp.experts.", cfg, name.rsplit(".", 1)[1], dtype)
+            base, which = f"{prefix}layers.{layer}.mlp.experts.", name.rsplit(".", 1)[1]
+            return load_experts(ckpt, base, cfg, which, float_experts[layer])
         return None
 
     load_module(module, ckpt, prefix, compute_dtype, special, progress)
 
 
+FORMAT_OF_DTYPE = {dtype: fmt for fmt, dtype in FLOAT_FORMATS.items()}
+
+
 def load_experts(ckpt: Checkpoint, base: str, cfg: TextConfig, which: str, dtype: torch.dtype) -> torch.Tensor:
-    """One layer's routed experts as the fused tensor `which` ("gate_up_proj" [E, 2I, H] or "down_proj" [E, H, I]),
-    whatever the checkpoint layout: fused, fused-transposed (told apart by shape), or per-expert (FP8 or not)."""
-    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    want = (e, 2 * i, h) if which == "gate_up_proj" else (e, h, i)
+    """One layer's routed experts as the fused tensor `which` ("gate_up_proj" [E, 2I, H] or "down_proj" [E, H, I])."""
+    e = cfg.num_experts
+    fused = base + which
+    if fused in ckpt and ckpt.infos[fused].shape == expert_shape(cfg, which, fused=True):
+        return ckpt.weight(fused, dtype)
+    out = torch.empty(expert_shape(cfg, which, fused=True), dtype=dtype)
+    for j in range(e):
+        out[j] = expert_matrix(ckpt, base, cfg, which, j).to(dtype)
+    return out
+
+
+def expert_shape(cfg: TextConfig, which: str, fused: bool = False) -> tuple[int, ...]:
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    shape = (2 * i, h) if which == "gate_up_proj" else (h, i)
+    return (cfg.num_experts, *shape) if fused else shape
+
+
+def expert_matrix(ckpt: Checkpoint, base: str, cfg: TextConfig, which: str, j: int) -> torch.Tensor:
+    """Expert j's fp32 matrix [2I, H] (gate rows, then up) or [H, I], whatever the checkpoint layout: fused,
+    fused-transposed (told apart by shape: H != I != 2I in every real model), or per-expert (FP8 or not)."""
+    out_dim, in_dim = expert_shape(cfg, which)
     fused = base + which
     if fused in ckpt:
         shape = ckpt.infos[fused].shape
-        if shape == want:
-            return ckpt.weight(fused, dtype)
-        if shape == (want[0], want[2], want[1]):
-            return ckpt.weight(fused, dtype).transpose(1, 2).contiguous()
+        if shape == (cfg.num_experts, out_dim, in_dim):
+            return ckpt.raw(fused)[j].float()
+        if shape == (cfg.num_experts, in_dim, out_dim):
+            return ckpt.raw(fused)[j].t().float()
         raise CheckpointError(f"{ckpt.infos[fused].file}: tensor '{fused}' has shape {list(shape)}; expected "
-                              f"{list(want)} (or its transpose) from config.json. Use the config.json of this release.")
-    out = torch.empty(want, dtype=dtype)
-    for j in range(e):
-        if which == "gate_up_proj":
-            out[j, :i] = _checked(ckpt, f"{base}{j}.gate_proj.weight", (i, h), dtype)
-            out[j, i:] = _checked(ckpt, f"{base}{j}.up_proj.weight", (i, h), dtype)
-        else:
-            out[j] = _checked(ckpt, f"{base}{j}.down_proj.weight", (h, i), dtype)
-    return out
+                              f"{[cfg.num_experts, out_dim, in_dim]} (or its transpose) from config.json. Use the "
+                              "config.json of this release.")
+    i, h = cfg.moe_intermediate_size, cfg.hidden_size
+    if which == "down_proj":
+        return _checked(ckpt, f"{base}{j}.down_proj.weight", (h, i), torch.float32)
+    return torch.cat([_checked(ckpt, f"{base}{j}.gate_proj.weight", (i, h), torch.float32),
+                      _checked(ckpt, f"{base}{j}.up_proj.weight", (i, h), torch.float32)])
+
+
+def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: TextConfig, fmt: str, device: torch.device,
+                           cache_file: Path | None) -> QuantizedExperts:
+    experts = QuantizedExperts(fmt, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, "cpu")
+    state = experts.state_dict()
+    if cache_file is not None and cache_file.is_file():
+        cached = load_file(cache_file)
+        if cached.keys() == state.keys() and all(cached[k].shape == state[k].shape for k in state):
+            experts.load_state_dict(cached)
+            return experts.to(device)
+    i = cfg.moe_intermediate_size
+    for which, stack in (("gate_up_proj", experts.gate_up_proj), ("down_proj", experts.down_proj)):
+        for j in range(cfg.num_experts):
+            if fmt == "fp8" and i % FP8_BLOCK == 0 and base + f"{j}.down_proj.weight_scale_inv" in ckpt:
+                parts = ["down_proj"] if which == "down_proj" else ["gate_proj", "up_proj"]
+                stack.set_fp8(j, *_stored_fp8(ckpt, [f"{base}{j}.{p}.weight" for p in parts]))
+            else:
+                stack.set(j, expert_matrix(ckpt, base, cfg, which, j))
+    if cache_file is not None:
+        write_atomically(cache_file, lambda tmp: save_file(experts.state_dict(), tmp))
+    return experts.to(device)
+
+
+def _stored_fp8(ckpt: Checkpoint, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The released FP8 matrices (and block scales) of one expert, gate and up stacked when there are two
+    (their scale blocks line up because the intermediate size is a multiple of the block)."""
+    q = torch.cat([ckpt.raw(n) for n in names])
+    scale = torch.cat([ckpt.raw(n + "_scale_inv").float() for n in names])
+    return q, scale
+
+
+def write_atomically(path: Path, write: Callable[[str], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
