@@ -22,7 +22,8 @@ class PromptSpec:
     system: str = ""
     images: Any = None  # EncodedImages from A3B Image Encode, or None
     thinking: bool = False
-    history: tuple[Turn, ...] = ()  # earlier text-only exchanges, oldest first
+    history: tuple[Turn, ...] = ()  # earlier exchanges, oldest first
+    history_images: Any = None  # the EncodedImages those exchanges referred to, in order, or None
 
     @property
     def image_count(self) -> int:
@@ -30,14 +31,12 @@ class PromptSpec:
 
     def followed_by(self, user: str, system: str, images: Any, thinking: bool, answer: str) -> "PromptSpec":
         """The next prompt of a conversation whose previous prompt was `self` and whose answer was `answer`."""
-        if self.image_count:
-            raise PromptError(f"the previous prompt had {self.image_count} images; a conversation can only continue "
-                              "from a text-only prompt. Disconnect 'previous', or ask about all images in one prompt.")
         if not answer.strip():
             raise PromptError("'previous' is connected but 'previous_answer' is empty. Connect the answer output of "
                               "the A3B Generate node that ran the previous prompt.")
-        turn = Turn(user=self.user, assistant=answer)
-        return PromptSpec(user=user, system=system, images=images, thinking=thinking, history=self.history + (turn,))
+        turn = Turn(user=self.user, assistant=answer, num_images=self.image_count)
+        return PromptSpec(user=user, system=system, images=images, thinking=thinking, history=self.history + (turn,),
+                          history_images=_joined(self.history_images, self.images))
 
 
 def build_prompts(model: Any, spec: PromptSpec, mode: str) -> list[Any]:
@@ -52,6 +51,12 @@ def build_prompts(model: Any, spec: PromptSpec, mode: str) -> list[Any]:
     return [_build(model, spec, spec.images[index]) for index in range(spec.image_count)]
 
 
+def _joined(first: Any, second: Any) -> Any:
+    if first is None or not len(first):
+        return second
+    return first if second is None else first + second
+
+
 def _build(model: Any, spec: PromptSpec, images: Any) -> Any:
-    return model.build_prompt(user=spec.user, system=spec.system, images=images, thinking=spec.thinking,
-                              history=spec.history)
+    return model.build_prompt(user=spec.user, system=spec.system, images=_joined(spec.history_images, images),
+                              thinking=spec.thinking, history=spec.history)

@@ -43,11 +43,15 @@ class A3BImageEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: A3BModelHandle, image: Any, size: int, resize: str, srgb: bool) -> io.NodeOutput:
-        bridge.raise_if_interrupted()
+        engine = model.acquire()
         count = int(image.shape[0])
         progress = bridge.Progress(count)
-        encoded = model.acquire().encode_images(image, size=size, resize=resize, srgb=srgb)
-        progress.set(count)
+        encoded = None
+        for index in range(count):  # one at a time: a progress step and a chance to Stop per image
+            bridge.raise_if_interrupted()
+            one = engine.encode_images(image[index:index + 1], size=size, resize=resize, srgb=srgb)
+            encoded = one if encoded is None else encoded + one
+            progress.set(index + 1)
         return io.NodeOutput(encoded)
 
 

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+import torch
+
+from a3b_core import EncodedImages
 from a3b_core.errors import ConfigError, PromptError
 from a3b_core.prompt import Turn
 from nodes import comfy_bridge
@@ -133,6 +136,11 @@ def test_write_text_atomic_keeps_the_old_file_when_writing_fails(tmp_path: Path)
 
 # --- prompt ingredients ------------------------------------------------------------------------------------------
 
+def _images(count: int, first_row: int = 0) -> EncodedImages:
+    """Stand-in vision output: image i is one 2-token embedding filled with first_row + i."""
+    return EncodedImages([torch.full((2, 4), float(first_row + i)) for i in range(count)], [(1, 2, 4)] * count)
+
+
 def test_a_follow_up_prompt_carries_the_previous_exchange_as_history() -> None:
     first = PromptSpec(user="Name a colour.", system="Be brief.")
     second = first.followed_by("Another one?", "Be brief.", None, True, "Blue.")
@@ -140,15 +148,22 @@ def test_a_follow_up_prompt_carries_the_previous_exchange_as_history() -> None:
     assert second.history == (Turn(user="Name a colour.", assistant="Blue."),)
     assert third.history == (Turn(user="Name a colour.", assistant="Blue."),
                              Turn(user="Another one?", assistant="Red."))
-    assert (third.user, third.thinking, third.image_count) == ("And one more?", False, 0)
+    assert (third.user, third.thinking, third.image_count, third.history_images) == ("And one more?", False, 0, None)
 
 
-def test_a_follow_up_needs_the_previous_answer_and_a_text_only_previous_prompt() -> None:
+def test_a_follow_up_keeps_the_earlier_images_first() -> None:
+    first = PromptSpec(user="Describe [[IMG]] and [[IMG]].", images=_images(2))
+    second = first.followed_by("Now compare with [[IMG]].", "", _images(1, first_row=10), False, "Two shapes.")
+    assert second.history == (Turn(user="Describe [[IMG]] and [[IMG]].", assistant="Two shapes.", num_images=2),)
+    assert [float(e[0, 0]) for e in second.history_images.embeds] == [0.0, 1.0]
+    third = second.followed_by("And now?", "", None, False, "Similar.")
+    assert [turn.num_images for turn in third.history] == [2, 1]
+    assert [float(e[0, 0]) for e in third.history_images.embeds] == [0.0, 1.0, 10.0]
+
+
+def test_a_follow_up_needs_the_previous_answer() -> None:
     with pytest.raises(PromptError, match="'previous_answer' is empty"):
         PromptSpec(user="Hi").followed_by("Next", "", None, False, "  ")
-    with_images = PromptSpec(user="Describe [[IMG]]", images=[object(), object()])
-    with pytest.raises(PromptError, match="previous prompt had 2 images"):
-        with_images.followed_by("Next", "", None, False, "An answer.")
 
 
 def test_per_image_mode_needs_images_and_modes_are_checked() -> None:
