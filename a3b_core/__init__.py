@@ -2,7 +2,8 @@
 from .engine import A3BModel, ChatPrompt, EncodedImages, load_model
 from .errors import (A3BError, CheckpointError, ConfigError, GenerationError, ImageError, PlacementError,
                      PromptError)
+from .generation import GenerationResult
 from .prompt import Turn
 
-__all__ = ["A3BModel", "ChatPrompt", "EncodedImages", "load_model", "Turn", "A3BError", "CheckpointError",
+__all__ = ["A3BModel", "GenerationResult", "ChatPrompt", "EncodedImages", "load_model", "Turn", "A3BError", "CheckpointError",
            "ConfigError", "GenerationError", "ImageError", "PlacementError", "PromptError"]

@@ -186,8 +186,19 @@ class A3BModel:
         return self.forward(input_ids, images if images is not None else EncodedImages([], []),
                             attention_mask=attention_mask)
 
-    def new_cache(self, batch: int, max_len: int) -> Cache:
-        return Cache(self.config.text, batch, max_len, self.dtype, self.device)
+    def new_cache(self, batch: int, max_len: int, kv_dtype: str | None = None) -> Cache:
+        return Cache(self.config.text, batch, max_len, self.dtype, self.device, kv_dtype=kv_dtype)
+
+    # ------------------------------------------------------------------------------------------- generation
+    def generate(self, prompt, **options) -> "GenerationResult":
+        """See a3b_core.generation.generate."""
+        from .generation import generate  # generation imports this module
+        return generate(self, prompt, **options)
+
+    def generate_batch(self, prompts, **options) -> "list[GenerationResult]":
+        """See a3b_core.generation.generate_batch."""
+        from .generation import generate_batch
+        return generate_batch(self, prompts, **options)
 
     def release(self) -> None:
         """Drops the weights; the handle cannot be used afterwards (load the model again)."""

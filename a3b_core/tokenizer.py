@@ -62,22 +62,35 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Turns token ids into text increments, holding back bytes until they form whole UTF-8 characters."""
+    """Turns token ids into text increments, holding back bytes until they form whole UTF-8 characters.
+
+    Only the ids since the last emitted character boundary are re-decoded (plus a few before it, so merges that
+    depend on context decode as they would in full), keeping each step cheap however long the output grows."""
+
+    CONTEXT = 4
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
+        self._start = 0  # first id of the window that is re-decoded
+        self._done = 0  # ids before this index are fully reflected in self.text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, self.skip_special_tokens)
 
     def push(self, token_id: int) -> str:
         """Adds one token; returns the newly completed text (possibly empty)."""
         self.ids.append(token_id)
-        full = self.tokenizer.decode(self.ids, self.skip_special_tokens)
-        if full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the next token
-            return ""
-        new = full[len(self.text):] if full.startswith(self.text) else ""
-        self.text = full
+        before = self._decode(self.ids[self._start:self._done])
+        window = self._decode(self.ids[self._start:])
+        if window.endswith("\ufffd") or not window.startswith(before):
+            return ""  # an incomplete multi-byte character: wait for the next token
+        new = window[len(before):]
+        self.text += new
+        self._done = len(self.ids)
+        self._start = max(0, self._done - self.CONTEXT)
         return new
 
 
