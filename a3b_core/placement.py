@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -62,7 +62,8 @@ FLOAT_BYTES = {"bf16": 2, "fp32": 4}
 DENSE_GROUPS = ("lm_head", "mixers", "shared_experts", "routers", "mlp", "norms", "other")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 
-Tensors = Mapping[str, tuple[tuple[int, ...], torch.dtype]]
+TensorSpec = tuple[tuple[int, ...], torch.dtype]  # shape, dtype
+Tensors = Mapping[str, TensorSpec]
 
 
 @dataclass(frozen=True)
@@ -180,8 +181,9 @@ def classify(name: str) -> tuple[str, int | None]:
     if match is None:
         return ("norms" if name.endswith("norm.weight") else "other"), None
     layer, rest = int(match[1]), match[2]
-    for prefix, group in (("mlp.experts.", "experts"), ("mlp.gate.", "routers"), ("mlp.shared_expert", "shared_experts"),
-                          ("mlp.", "mlp"), ("linear_attn.", "mixers"), ("self_attn.", "mixers")):
+    for prefix, group in (("mlp.experts.", "experts"), ("mlp.gate.", "routers"),
+                          ("mlp.shared_expert", "shared_experts"), ("mlp.", "mlp"),
+                          ("linear_attn.", "mixers"), ("self_attn.", "mixers")):
         if rest.startswith(prefix):
             return group, layer
     return ("norms" if "norm" in rest else "other"), layer
@@ -206,33 +208,29 @@ def tensor_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: str
     return numel * FLOAT_BYTES[fmt]
 
 
-@dataclass(frozen=True)
 class Inventory:
-    """The checkpoint's tensors grouped the way the planner places them."""
-    groups: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]]
-    expert_layers: dict[int, dict[str, tuple[tuple[int, ...], torch.dtype]]]
+    """The checkpoint's tensors grouped the way the planner places them, with their bytes per format."""
 
-    @classmethod
-    def from_tensors(cls, tensors: Tensors) -> "Inventory":
-        groups: dict[str, dict] = {}
-        experts: dict[int, dict] = {}
+    def __init__(self, tensors: Tensors):
+        self.groups: dict[str, dict[str, TensorSpec]] = {}
+        experts: dict[int, dict[str, TensorSpec]] = {}
         for name, (shape, dtype) in tensors.items():
             group, layer = classify(name)
-            target = experts.setdefault(layer, {}) if group == "experts" else groups.setdefault(group, {})
+            target = experts.setdefault(layer, {}) if group == "experts" else self.groups.setdefault(group, {})
             target[name] = (tuple(shape), dtype)
-        return cls(groups, dict(sorted(experts.items())))
+        self.expert_layers = dict(sorted(experts.items()))
+        self.experts_fp8 = any(d in FP8_DTYPES for layer in experts.values() for _, d in layer.values())
+        self.dense_fp8 = any(d in FP8_DTYPES for g in DENSE_GROUPS for _, d in self.groups.get(g, {}).values())
+        self._layer_bytes: dict[tuple[int, str], int] = {}
 
     def bytes(self, group: str, fmt: str) -> int:
         return _bytes(self.groups.get(group, {}), fmt)
 
-    def expert_bytes(self, layers: Iterable[int], fmt: str) -> int:
-        return sum(_bytes(self.expert_layers[layer], fmt) for layer in layers)
-
-    def stores_fp8(self, *groups: str) -> bool:
-        tensors = [t for g in groups for t in self.groups.get(g, {}).values()]
-        if "experts" in groups:
-            tensors += [t for layer in self.expert_layers.values() for t in layer.values()]
-        return any(dtype in FP8_DTYPES for _, dtype in tensors)
+    def layer_bytes(self, layer: int, fmt: str) -> int:
+        """The routed experts of one text layer in `fmt` (memoised: plans are retried with other budgets)."""
+        if (layer, fmt) not in self._layer_bytes:
+            self._layer_bytes[layer, fmt] = _bytes(self.expert_layers[layer], fmt)
+        return self._layer_bytes[layer, fmt]
 
     def label(self, group: str, fmt: str) -> str:
         """The format a group is reported in: vectors-only groups are fp32; fp8 only if something is fp8."""
@@ -242,7 +240,7 @@ class Inventory:
         return "bf16" if fmt == "fp8" and not any(d in FP8_DTYPES for _, d in tensors) else fmt
 
 
-def _bytes(tensors: Mapping[str, tuple[tuple[int, ...], torch.dtype]], fmt: str) -> int:
+def _bytes(tensors: Mapping[str, TensorSpec], fmt: str) -> int:
     return sum(tensor_bytes(name, shape, dtype, fmt) for name, (shape, dtype) in tensors.items())
 
 
@@ -300,16 +298,9 @@ class _Planner:
         self.config, self.inv = config, inv
         self.weight_format, self.kv_cache, self.max_context = weight_format, kv_cache, max_context
         self.layers = tuple(inv.expert_layers)
-        self.gpu_expert_format = "fp8" if inv.stores_fp8("experts") else "bf16"
-        self.gpu_dense_format = "fp8" if inv.stores_fp8(*DENSE_GROUPS) else "bf16"
+        self.gpu_expert_format = "fp8" if inv.experts_fp8 else "bf16"
+        self.gpu_dense_format = "fp8" if inv.dense_fp8 else "bf16"
         self.tied = "lm_head" not in inv.groups and config.text.tie_word_embeddings
-        self._memo: dict[tuple[int, str], int] = {}
-
-    def _layer(self, layer: int, fmt: str) -> int:
-        key = (layer, fmt)
-        if key not in self._memo:
-            self._memo[key] = self.inv.expert_bytes([layer], fmt)
-        return self._memo[key]
 
     def context_for(self, vram: int) -> int:
         """The context to plan for: the user's, else that of the largest preset within `vram` (0: a cpu plan)."""
@@ -317,7 +308,7 @@ class _Planner:
         default = CPU_CONTEXT if not vram else max(fitting, default=PRESETS["8gb"].max_context)
         return min(self.max_context or default, self.config.text.max_position_embeddings)
 
-    def _cache_choices(self, context: int, gpu: bool) -> Iterable[tuple[int, str]]:
+    def _cache_choices(self, context: int, gpu: bool) -> Iterator[tuple[int, str]]:
         """(context, kv dtype) pairs to try, best first: bf16, then int8, then (if not user-set) shorter contexts."""
         kvs = [self.kv_cache] if self.kv_cache != "auto" else ["bf16", "int8"] if gpu else ["bf16"]
         while True:
@@ -366,14 +357,14 @@ class _Planner:
         gpu_layers: list[int] = []
         room = free_vram()
         for layer in self.layers if gpu and gpu_experts else ():
-            size = self._layer(layer, self.gpu_expert_format)
+            size = self.inv.layer_bytes(layer, self.gpu_expert_format)
             if size > room:
                 break
             gpu_layers.append(layer)
             room -= size
         if gpu_layers:
             parts.append(PlanPart("routed_experts_gpu", "cuda", self.gpu_expert_format,
-                                  sum(self._layer(layer, self.gpu_expert_format) for layer in gpu_layers)))
+                                  sum(self.inv.layer_bytes(layer, self.gpu_expert_format) for layer in gpu_layers)))
         cpu_layers = [layer for layer in self.layers if layer not in gpu_layers]
 
         embed_dev = dense_dev
@@ -388,7 +379,7 @@ class _Planner:
         cpu_format = self._cpu_expert_format(parts, cpu_layers, cpu_budget, notes) if cpu_layers else "none"
         if cpu_layers:
             parts.append(PlanPart("routed_experts_cpu", "cpu", cpu_format,
-                                  sum(self._layer(layer, cpu_format) for layer in cpu_layers)))
+                                  sum(self.inv.layer_bytes(layer, cpu_format) for layer in cpu_layers)))
         if self.layers:
             notes.append(self._expert_note(gpu, gpu_experts, gpu_layers, cpu_layers, cpu_format))
         if "mtp" in inv.groups:
@@ -431,14 +422,18 @@ class _Planner:
         rest = sum(p.bytes for p in parts if p.device == "cpu")
 
         def need(fmt: str) -> int:
-            return rest + sum(self._layer(layer, fmt) for layer in cpu_layers)
+            return rest + sum(self.inv.layer_bytes(layer, fmt) for layer in cpu_layers)
 
         fmt = self.weight_format
-        if fmt == "auto" and need("int8") <= cpu_budget:
+        if fmt != "auto":
+            notes.append(f"CPU experts in {fmt}, as asked")
+        elif need("int8") <= cpu_budget:
             fmt = "int8"
             notes.append("CPU experts in int8 (weight-only, groups of 128, ~0.5x of bf16): faster than bf16 on the "
-                         "CPU at a small accuracy cost")
-        elif fmt == "auto":
+                         "CPU at a small accuracy cost" + ("; the fp8 experts are converted once at load, since "
+                                                           "dequantising fp8 per use is slow on CPUs"
+                                                           if self.inv.experts_fp8 else ""))
+        else:
             fmt = "int4"
             notes.append(f"CPU experts in int4 (groups of 64, ~0.28x of bf16) because int8 would need "
                          f"{format_bytes(need('int8'))} of RAM and {format_bytes(cpu_budget)} is available; int4 "
@@ -459,12 +454,11 @@ class _Planner:
         if gpu and not gpu_experts:
             note += " (this preset keeps them all off the GPU, like llama.cpp's --cpu-moe; spare VRAM stays free)"
         elif gpu:
-            note += f" (one more layer on the GPU needs {format_bytes(self._layer(cpu_layers[0], self.gpu_expert_format))})"
+            one_more = self.inv.layer_bytes(cpu_layers[0], self.gpu_expert_format)
+            note += f" (one more layer on the GPU needs {format_bytes(one_more)})"
         if cpu_format == "fp8":
             note += "; fp8 is dequantised per use, which is slow on most CPUs"
         return note
-
-
 
 
 def available_ram() -> int:
@@ -496,8 +490,8 @@ def make_plan(config: ModelConfig, tensors: Tensors, preset: str = "auto", weigh
     if max_context is not None and not (isinstance(max_context, int) and 1 <= max_context <= limit):
         raise PlacementError(f"max_context {max_context!r} is out of range: expected 1 to {limit} (the model's "
                              "max_position_embeddings), or leave it unset for the preset's default.")
-    inv = Inventory.from_tensors(tensors)
-    if weight_format == "fp8" and inv.expert_layers and not inv.stores_fp8("experts"):
+    inv = Inventory(tensors)
+    if weight_format == "fp8" and inv.expert_layers and not inv.experts_fp8:
         raise PlacementError("weight_format 'fp8' keeps the checkpoint's FP8 experts, but this checkpoint stores "
                              "them unquantised; use int8, int4 or bf16 (or auto), or load the model's FP8 release.")
     planner = _Planner(config, inv, weight_format, kv_cache, max_context)
@@ -524,12 +518,14 @@ def make_plan(config: ModelConfig, tensors: Tensors, preset: str = "auto", weigh
     try:
         return planner.plan(name, gpu_budget, cpu_budget, gpu_experts, notes)
     except _NoFit as short:
-        raise PlacementError(_explain(planner, short, name, gpu_budget, cpu_budget, gpu_experts, has_cuda)) from None
+        where = f"preset {preset}" + (" (planned as cpu: no CUDA device)" if name != preset else "")
+        tips = _fixes(planner, short, name, gpu_budget, cpu_budget, gpu_experts, has_cuda)
+        raise PlacementError(f"{where}: {short}. To fix: {'; '.join(tips)}.") from None
 
 
-def _explain(planner: _Planner, short: _NoFit, preset: str, gpu_budget: int, cpu_budget: int, gpu_experts: bool,
-             has_cuda: bool) -> str:
-    """The error for a budget that is too small, naming the smallest preset, context or format that would fit."""
+def _fixes(planner: _Planner, short: _NoFit, preset: str, gpu_budget: int, cpu_budget: int, gpu_experts: bool,
+           has_cuda: bool) -> list[str]:
+    """What would fit instead of a budget that is too small: the smallest preset, a context, a format."""
 
     def fits(vram: int, experts_on_gpu: bool = gpu_experts, **changes) -> bool:
         try:
@@ -545,18 +541,18 @@ def _explain(planner: _Planner, short: _NoFit, preset: str, gpu_budget: int, cpu
         tips += [f"the smallest preset that fits is {bigger[0]}"] if bigger else []
     if short.memory == "VRAM":
         if planner.max_context is not None:
-            shorter = [1 << k for k in range(planner.max_context.bit_length() - 1, 9, -1)
-                       if 1 << k < planner.max_context and fits(gpu_budget, max_context=1 << k)][:1]
-            tips += [f"max_context {shorter[0]} fits"] if shorter else []
+            powers = (1 << k for k in range(planner.max_context.bit_length() - 1, 9, -1))
+            shorter = next((c for c in powers if c < planner.max_context and fits(gpu_budget, max_context=c)), None)
+            tips += [f"max_context {shorter} fits"] if shorter else []
         if planner.kv_cache != "int8" and fits(gpu_budget, kv_cache="int8"):
             tips.append("kv_cache int8 fits")
-        tips.append("preset cpu runs everything from RAM" if fits(0, False) else "preset cpu does not fit in RAM either")
+        tips.append("preset cpu runs everything from RAM" if fits(0, False)
+                    else "preset cpu does not fit in RAM either")
     else:
         if planner.weight_format not in ("auto", "int4") and fits(gpu_budget, weight_format="int4"):
             tips.append("weight_format int4 fits")
         tips.append("free RAM by closing other programs")
-    where = f"preset {preset}" if preset != "cpu" else "preset cpu (everything in RAM)"
-    return f"{where}: {short}. To fix: {'; '.join(tips)}."
+    return tips
 
 
 def plan_for_folder(folder: str | Path, preset: str = "auto", **kw) -> Plan:
