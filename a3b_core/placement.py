@@ -112,10 +112,13 @@ class Plan:
         return self.cpu_budget - self.cpu_bytes
 
     def summary(self) -> str:
-        experts = (f"experts {len(self.gpu_expert_layers)} layers on GPU ({self.expert_format_gpu}), rest on CPU "
-                   f"({self.expert_format_cpu})" if self.expert_format_cpu != "none" else "dense model")
-        gpu = (f"GPU {format_bytes(self.gpu_bytes)} of {format_bytes(self.gpu_budget)}" if self.gpu_budget
-               else "no GPU")
+        """One line, e.g. for a node's status text."""
+        where = [f"{len(self.gpu_expert_layers)} layers on GPU ({self.expert_format_gpu})"] if self.gpu_expert_layers \
+            else []
+        where += [f"{'the rest' if where else 'all'} on CPU ({self.expert_format_cpu})"] \
+            if self.expert_format_cpu != "none" else []
+        experts = f"experts {', '.join(where)}" if where else "no routed experts"
+        gpu = f"GPU {format_bytes(self.gpu_bytes)} of {format_bytes(self.gpu_budget)}" if self.gpu_budget else "no GPU"
         return (f"{self.preset}: {gpu}, RAM {format_bytes(self.cpu_bytes)}; dense {self.dense_format} on "
                 f"{self.dense_device}, {experts}; KV {self.kv_dtype}, context {self.max_context}")
 

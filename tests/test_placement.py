@@ -131,6 +131,7 @@ def test_cpu_preset_puts_nothing_on_the_gpu(kind):
     assert all(x.device == "cpu" for x in p.parts)
     assert p.dense_device == p.embed_device == p.vision_device == "cpu" and p.gpu_expert_layers == ()
     assert p.dense_format == "bf16" and p.max_context == 32768
+    assert "no GPU" in p.summary() and "experts all on CPU (int8)" in p.summary()
 
 
 def test_without_cuda_every_preset_becomes_cpu():
