@@ -5,7 +5,9 @@ A preset "Ngb" is N GiB of VRAM for the model. From it we reserve the CUDA conte
 (CUDA_CONTEXT_BYTES + GPU_WORKSPACE_BYTES = 1 GiB), then place, in this order: the dense parts (mixers, shared
 experts, routers, norms, lm_head) and the cache, which must fit; the vision tower, if it fits; then as many
 whole layers of routed experts as fit; and embed_tokens (a row lookup, fine on the CPU) only once everything else
-is on the GPU. Routed experts left over live in RAM and are computed by the CPU.
+is on the GPU. Routed experts left over live in RAM and are computed by the CPU; RAM must hold them (weight
+format auto: int8, or int4 when RAM is short), whatever else is in RAM, and CPU_WORKSPACE_BYTES. "auto" plans for
+the free VRAM (torch.cuda.mem_get_info) and MemAvailable; without CUDA every preset becomes a cpu plan.
 
 Bytes per format (vectors such as norms and biases are always kept in fp32):
 - bf16 2 B/weight; fp8 1 B/weight plus the checkpoint's block scales, and only where the checkpoint stores FP8;
