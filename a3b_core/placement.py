@@ -11,8 +11,8 @@ the free VRAM (torch.cuda.mem_get_info) and MemAvailable; without CUDA every pre
 
 Bytes per format (vectors such as norms and biases are always kept in fp32):
 - bf16 2 B/weight; fp8 1 B/weight plus the checkpoint's block scales, and only where the checkpoint stores FP8;
-- int8: 1 B/weight + one bf16 scale per 128 weights (~0.51x of bf16);
-- int4: 0.5 B/weight + a bf16 scale and zero point per 64 weights (~0.28x of bf16).
+- int8: 1 B/weight + one bf16 scale per output row (counted as one per 128 weights, ~0.51x of bf16);
+- int4: 0.5 B/weight + a bf16 scale and zero point per 128 weights (~0.27x of bf16).
 KV cache: full-attention layers x 2 x KV heads x head_dim per token, in bf16 / fp32, or int8 with one fp32 scale
 per token and head plus one layer's keys and values in bf16 as scratch. DeltaNet state: conv history and
 recurrent state in fp32, one sequence.
@@ -57,9 +57,10 @@ PRESETS = {
 PRESET_NAMES = ("auto", *PRESETS, "cpu")
 CPU_CONTEXT = 32768
 MIN_CONTEXT = 4096  # an automatically chosen context is never halved below this
-WEIGHT_FORMATS = ("auto", "fp8", "int8", "int4", "bf16")
+WEIGHT_FORMATS = ("auto", "fp8", "int8", "int4", "bf16", "fp32")
+COMPUTE_FORMATS = ("bf16", "fp32")  # what the CPU holds dense parts and float experts in
 KV_CACHES = ("auto", "bf16", "fp32", "int8")
-QUANT = {"int8": (8, 128, 2), "int4": (4, 64, 4)}  # bits per weight, group size, bytes of scales per group
+QUANT = {"int8": (8, 128, 2), "int4": (4, 128, 4)}  # bits per weight, group size, bytes of scales per group
 FLOAT_BYTES = {"bf16": 2, "fp32": 4}
 DENSE_GROUPS = ("lm_head", "mixers", "shared_experts", "routers", "mlp", "norms", "other")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
@@ -299,9 +300,10 @@ class _NoFit(Exception):
 
 class _Planner:
     def __init__(self, config: ModelConfig, inv: Inventory, weight_format: str, kv_cache: str,
-                 max_context: int | None):
+                 max_context: int | None, compute_format: str = "bf16"):
         self.config, self.inv = config, inv
         self.weight_format, self.kv_cache, self.max_context = weight_format, kv_cache, max_context
+        self.compute_format = compute_format
         self.layers = tuple(inv.expert_layers)
         self.gpu_expert_format = "fp8" if inv.experts_fp8 else "bf16"
         self.gpu_dense_format = "fp8" if inv.dense_fp8 else "bf16"
@@ -315,7 +317,7 @@ class _Planner:
 
     def _cache_choices(self, context: int, gpu: bool) -> Iterator[tuple[int, str]]:
         """(context, kv dtype) pairs to try, best first: bf16, then int8, then (if not user-set) shorter contexts."""
-        kvs = [self.kv_cache] if self.kv_cache != "auto" else ["bf16", "int8"] if gpu else ["bf16"]
+        kvs = [self.kv_cache] if self.kv_cache != "auto" else ["bf16", "int8"] if gpu else [self.compute_format]
         while True:
             yield from ((context, kv) for kv in kvs)
             if self.max_context is not None or context // 2 < MIN_CONTEXT:
@@ -324,13 +326,14 @@ class _Planner:
 
     def but(self, **changes: object) -> "_Planner":
         """The same planner with some options changed."""
-        options = {"weight_format": self.weight_format, "kv_cache": self.kv_cache, "max_context": self.max_context}
+        options = {"weight_format": self.weight_format, "kv_cache": self.kv_cache, "max_context": self.max_context,
+                   "compute_format": self.compute_format}
         return _Planner(self.config, self.inv, **{**options, **changes})
 
     def plan(self, preset: str, gpu_budget: int, cpu_budget: int, gpu_experts: bool, notes: list[str]) -> Plan:
         """gpu_budget 0 plans for the CPU alone. Raises _NoFit when VRAM or RAM is too small."""
         inv, gpu, notes = self.inv, gpu_budget > 0, list(notes)
-        dense_dev, dense_fmt = ("cuda", self.gpu_dense_format) if gpu else ("cpu", "bf16")
+        dense_dev, dense_fmt = ("cuda", self.gpu_dense_format) if gpu else ("cpu", self.compute_format)
         parts = [PlanPart(g, dense_dev, inv.label(g, dense_fmt), inv.bytes(g, dense_fmt))
                  for g in DENSE_GROUPS if g in inv.groups]
         notes.append(f"dense parts (mixers, shared experts, routers, norms, lm_head) on the "
@@ -432,15 +435,18 @@ class _Planner:
         fmt = self.weight_format
         if fmt != "auto":
             notes.append(f"CPU experts in {fmt}, as asked")
+        elif self.compute_format == "fp32":
+            fmt = "fp32"
+            notes.append("CPU experts in fp32: compute_dtype float32 keeps every weight exact (the reference mode)")
         elif need("int8") <= cpu_budget:
             fmt = "int8"
-            notes.append("CPU experts in int8 (weight-only, groups of 128, ~0.5x of bf16): faster than bf16 on the "
+            notes.append("CPU experts in int8 (weight-only, one scale per row, ~0.5x of bf16): faster than bf16 on the "
                          "CPU at a small accuracy cost" + ("; the fp8 experts are converted once at load, since "
                                                            "dequantising fp8 per use is slow on CPUs"
                                                            if self.inv.experts_fp8 else ""))
         else:
             fmt = "int4"
-            notes.append(f"CPU experts in int4 (groups of 64, ~0.28x of bf16) because int8 would need "
+            notes.append(f"CPU experts in int4 (groups of 128, ~0.27x of bf16) because int8 would need "
                          f"{format_bytes(need('int8'))} of RAM and {format_bytes(cpu_budget)} is available; int4 "
                          "costs some accuracy")
         if need(fmt) > cpu_budget:
@@ -485,12 +491,13 @@ def _check_choice(what: str, value: object, choices: tuple[str, ...]) -> None:
 
 def make_plan(config: ModelConfig, tensors: Tensors, preset: str = "auto", weight_format: str = "auto",
               kv_cache: str = "auto", max_context: int | None = None, gpu_free: int | None = None,
-              cpu_free: int | None = None, has_cuda: bool | None = None) -> Plan:
+              cpu_free: int | None = None, has_cuda: bool | None = None, compute_format: str = "bf16") -> Plan:
     """Plans where every part of the model lives. gpu_free / cpu_free (bytes) and has_cuda default to this machine's
     (torch.cuda.mem_get_info, /proc/meminfo MemAvailable, torch.cuda.is_available)."""
     _check_choice("preset", preset, PRESET_NAMES)
     _check_choice("weight_format", weight_format, WEIGHT_FORMATS)
     _check_choice("kv_cache", kv_cache, KV_CACHES)
+    _check_choice("compute format", compute_format, COMPUTE_FORMATS)
     limit = config.text.max_position_embeddings
     if max_context is not None and not (isinstance(max_context, int) and 1 <= max_context <= limit):
         raise PlacementError(f"max_context {max_context!r} is out of range: expected 1 to {limit} (the model's "
@@ -499,7 +506,7 @@ def make_plan(config: ModelConfig, tensors: Tensors, preset: str = "auto", weigh
     if weight_format == "fp8" and inv.expert_layers and not inv.experts_fp8:
         raise PlacementError("weight_format 'fp8' keeps the checkpoint's FP8 experts, but this checkpoint stores "
                              "them unquantised; use int8, int4 or bf16 (or auto), or load the model's FP8 release.")
-    planner = _Planner(config, inv, weight_format, kv_cache, max_context)
+    planner = _Planner(config, inv, weight_format, kv_cache, max_context, compute_format)
     has_cuda = torch.cuda.is_available() if has_cuda is None else has_cuda
     cpu_budget = available_ram() if cpu_free is None else cpu_free
     notes: list[str] = []
