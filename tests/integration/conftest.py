@@ -15,6 +15,8 @@ from tests.tiny_models import build_fixtures
 TINY_MODEL = "tiny-a3b"  # the tiny test checkpoint as it appears in models/LLM
 BROKEN_MODEL = "broken-a3b"  # a model folder with config and tokenizer but no weights
 WORKFLOWS = REPO / "workflows"
+# The tiny test model writes noise until a rare end token; runs are capped so the suite stays quick.
+TEST_MAX_NEW_TOKENS = 48
 
 
 def require_comfyui() -> None:

@@ -1,8 +1,9 @@
 // Drives ComfyUI's real frontend in headless Chromium (playwright-core, Debian's /usr/bin/chromium).
 //
-//   node frontend.cjs check URL OUT_DIR MODEL convert|run WORKFLOW.json...
-//       load each UI workflow (loader set to MODEL), convert it with app.graphToPrompt() and, with 'run', queue it,
-//       wait for it, read what the nodes show and take a screenshot; prints a JSON report
+//   node frontend.cjs check URL OUT_DIR OVERRIDES convert|run WORKFLOW.json...
+//       load each UI workflow, set the widgets OVERRIDES names ({"NodeClass": {"widget": value}}), convert it with
+//       app.graphToPrompt() and, with 'run', queue it, wait for it, read what the nodes show and take a
+//       screenshot; prints a JSON report
 //   node frontend.cjs build URL WORKFLOWS_DIR SPECS.json          build UI + API workflows from node specs
 //
 // A3B_PLAYWRIGHT names the playwright-core module to load (it lives in a cache folder, not in the repository).
@@ -47,20 +48,22 @@ async function waitForHistory(url, promptId) {
   throw new Error(`prompt ${promptId} did not finish in ${RUN_TIMEOUT_MS} ms`);
 }
 
-async function check(url, outDir, model, run, workflowPaths) {
+async function check(url, outDir, overrides, run, workflowPaths) {
   const { browser, page, pageErrors } = await openComfy(url);
   const report = { workflows: [], pageErrors };
   for (const file of workflowPaths) {
     const name = path.basename(file, ".json");
     const workflow = JSON.parse(fs.readFileSync(file, "utf8"));
-    const apiPrompt = await page.evaluate(async ({ workflow, model }) => {
+    const apiPrompt = await page.evaluate(async ({ workflow, overrides }) => {
       const app = window.app;
       await app.loadGraphData(workflow);
       for (const node of app.graph.nodes) {
-        if (node.comfyClass === "A3BModelLoader") node.widgets.find((w) => w.name === "model").value = model;
+        for (const [name, value] of Object.entries(overrides[node.comfyClass] ?? {})) {
+          node.widgets.find((w) => w.name === name).value = value;
+        }
       }
       return (await app.graphToPrompt()).output;
-    }, { workflow, model });
+    }, { workflow, overrides });
     const entry = { name, apiPrompt };
     report.workflows.push(entry);
     if (run) {
@@ -140,8 +143,8 @@ async function build(url, workflowsDir, specsFile) {
 async function main() {
   const [command, url, ...rest] = process.argv.slice(2);
   if (command === "check") {
-    const [outDir, model, mode, ...workflows] = rest;
-    console.log(JSON.stringify(await check(url, outDir, model, mode === "run", workflows)));
+    const [outDir, overrides, mode, ...workflows] = rest;
+    console.log(JSON.stringify(await check(url, outDir, JSON.parse(overrides), mode === "run", workflows)));
   } else if (command === "build") {
     await build(url, rest[0], rest[1]);
   } else {
