@@ -14,17 +14,16 @@ from . import image as image_pipeline
 from .cache import Cache
 from .checkpoint import Checkpoint
 from .config import ModelConfig, load_config
-from .errors import A3BError, ConfigError, ImageError, PromptError
+from .errors import CheckpointError, ConfigError, ImageError, PromptError
 from .model import TextModel
+from .placement import Plan, make_plan
 from .positions import mrope_position_ids
 from .prompt import Prompt, Turn, build_prompt
 from .tokenizer import Tokenizer
 from .vision import VisionTower
-from .experts import EXPERT_FORMATS
 from .weights import FORMAT_OF_DTYPE, VISION_PREFIXES, Progress, find_prefix, load_module, load_text_model
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-PRESETS = ("auto", "8gb", "12gb", "16gb", "24gb", "48gb", "cpu")
 EXPERT_CACHE_VERSION = 1
 DEMO_MODEL_NAME = "a3b-demo"
 DEMO_MODEL_DIR = Path(__file__).parent / "demo" / DEMO_MODEL_NAME
@@ -72,36 +71,38 @@ def resolve_model_path(path: str | Path | None) -> Path:
     return folder
 
 
-def resolve_compute_dtype(compute_dtype: str, device: torch.device) -> torch.dtype:
+def resolve_compute_dtype(compute_dtype: str, has_cuda: bool) -> torch.dtype:
+    """auto is bf16: on GPUs natively, and on CPUs where it halves the weights read per token (norms, softmaxes
+    and the DeltaNet state stay fp32 regardless)."""
     if compute_dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16
     if compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"compute_dtype {compute_dtype!r} is not supported; use one of: auto, "
                           f"{', '.join(COMPUTE_DTYPES)}.")
     return COMPUTE_DTYPES[compute_dtype]
 
 
-def resolve_device(preset: str) -> torch.device:
-    if preset not in PRESETS:
-        raise ConfigError(f"preset {preset!r} is not one of {', '.join(PRESETS)}.")
-    if preset != "cpu" and torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("cpu")
-
-
 class A3BModel:
     def __init__(self, folder: Path, config: ModelConfig, text: TextModel, vision: VisionTower | None,
-                 tokenizer: Tokenizer | None, device: torch.device, dtype: torch.dtype, preset: str,
-                 load_stats: LoadStats):
+                 tokenizer: Tokenizer | None, plan: Plan, dtype: torch.dtype, load_stats: LoadStats):
         self.folder = folder
         self.config = config
         self.text = text
         self.vision = vision
         self.tokenizer = tokenizer
-        self.device = device
+        self.plan = plan
+        self.device = torch.device(plan.dense_device)  # where hidden states live
         self.dtype = dtype
-        self.preset = preset
         self.load_stats = load_stats
+
+    @property
+    def max_context(self) -> int:
+        return self.plan.max_context
+
+    @property
+    def kv_dtype(self) -> str | None:
+        """The plan's KV cache choice, as generation names it (None: the compute dtype)."""
+        return "int8" if self.plan.kv_dtype == "int8" else None
 
     # ------------------------------------------------------------------------------------------- images
     @torch.inference_mode()
@@ -115,7 +116,8 @@ class A3BModel:
         for img in image_pipeline.images_from_input(images):
             rgb = image_pipeline.load_image(img, background=background, srgb=srgb)
             pixels, grid = image_pipeline.to_patches(image_pipeline.resize_image(rgb, size, resize))
-            embeds.append(self.vision(pixels.to(self.device, self.dtype), [grid]))
+            vision_device = self.vision.pos_embed.weight.device
+            embeds.append(self.vision(pixels.to(vision_device, self.dtype), [grid]).to(self.device))
             grids.append(grid)
         return EncodedImages(embeds, grids)
 
@@ -137,7 +139,8 @@ class A3BModel:
     def embed(self, input_ids: torch.Tensor, images: EncodedImages | None) -> torch.Tensor:
         """Token embeddings; with `images`, each image pad token is replaced, in order, by the next image row.
         Without images, pad ids embed as ordinary tokens (a model may generate one)."""
-        embeds = self.text.embed_tokens(input_ids.to(self.device))
+        table = self.text.embed_tokens.weight
+        embeds = self.text.embed_tokens(input_ids.to(table.device)).to(self.device)
         if images is None:
             return embeds
         pads = input_ids == self.config.image_token_id
@@ -241,38 +244,56 @@ def expert_cache_dir(ckpt: Checkpoint, fmt: str) -> Path:
 
 
 def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", compute_dtype: str = "auto",
-               weight_format: str = "auto", progress: Progress | None = None) -> A3BModel:
-    """Loads a Qwen3.5/3.6 model folder (or the embedded demo model) into the memory the preset allows."""
+               weight_format: str = "auto", kv_cache: str = "auto", max_context: int | None = None,
+               progress: Progress | None = None) -> A3BModel:
+    """Loads a Qwen3.5/3.6 model folder (or the embedded demo model) as the preset's placement plan says.
+
+    preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
     started = time.perf_counter()
     folder = resolve_model_path(path)
     config = load_config(folder)
-    device = resolve_device(preset)
-    dtype = resolve_compute_dtype(compute_dtype, device)
+    has_cuda = torch.cuda.is_available()
+    dtype = resolve_compute_dtype(compute_dtype, has_cuda)
     block = tuple((config.quantization or {}).get("weight_block_size") or (128, 128))
     ckpt = Checkpoint(folder, fp8_block=block)
+    plan = make_plan(config, {n: (i.shape, i.dtype) for n, i in ckpt.infos.items()}, preset,
+                     weight_format=weight_format, kv_cache=kv_cache, max_context=max_context, has_cuda=has_cuda,
+                     compute_format="fp32" if dtype == torch.float32 else "bf16")
+    dense = torch.device(plan.dense_device)
+
+    def expert_placement(layer: int) -> tuple[str, torch.device]:
+        on_gpu = layer in plan.gpu_expert_layers
+        fmt = plan.expert_format_gpu if on_gpu else plan.expert_format_cpu
+        return (FORMAT_OF_DTYPE[dtype] if fmt == "bf16" else fmt), torch.device("cuda" if on_gpu else "cpu")
+
+    cache_dirs = {fmt: expert_cache_dir(ckpt, fmt) for fmt in ("int8", "int4")}
     try:
         with torch.device("meta"):
             text = TextModel(config.text)
-        fmt = FORMAT_OF_DTYPE[dtype] if weight_format == "auto" else weight_format
-        if fmt not in EXPERT_FORMATS:
-            raise ConfigError(f"weight_format {weight_format!r} is not one of auto, {', '.join(EXPERT_FORMATS)}.")
-        cache = expert_cache_dir(ckpt, fmt) if fmt in ("int8", "int4") else None
-        load_text_model(text, config.text, ckpt, dtype, progress, lambda layer: (fmt, torch.device("cpu")), cache)
+        load_text_model(text, config.text, ckpt, dtype, progress, expert_placement,
+                        cache_dirs.get(plan.expert_format_cpu), keep_fp8=plan.dense_format == "fp8")
         vision = None
-        if config.vision is not None and any(VISION_PREFIXES[0] in n or n.startswith(VISION_PREFIXES[1])
-                                             for n in ckpt.infos):
+        if plan.vision_device != "none":
             with torch.device("meta"):
                 vision = VisionTower(config.vision)
             load_module(vision, ckpt, find_prefix(ckpt, "pos_embed.weight", VISION_PREFIXES, "vision"), dtype)
-        tensors = len(ckpt.infos)
-    except A3BError:
-        raise
+            vision.eval().to(plan.vision_device)
     except (RuntimeError, ValueError) as exc:  # torch refusing a tensor that passed the header checks
-        raise A3BError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong to "
-                       "another model: download them again.") from exc
-    text.eval().to(device)
-    if vision is not None:
-        vision.eval().to(device)
+        raise CheckpointError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong "
+                              "to another model: download them again.") from exc
+    place_text_model(text.eval(), dense, torch.device(plan.embed_device))
     tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
-    stats = LoadStats(seconds=time.perf_counter() - started, tensors=tensors)
-    return A3BModel(folder, config, text, vision, tokenizer, device, dtype, preset, stats)
+    stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
+    return A3BModel(folder, config, text, vision, tokenizer, plan, dtype, stats)
+
+
+def place_text_model(text: TextModel, dense: torch.device, embed: torch.device) -> None:
+    """Moves everything to `dense` except the embedding table (to `embed`) and routed experts (already placed)."""
+    for layer in text.layers:
+        experts = layer.mlp._modules.pop("experts", None)
+        layer.to(dense)
+        if experts is not None:
+            layer.mlp.experts = experts
+    text.norm.to(dense)
+    text.lm_head.to(dense)
+    text.embed_tokens.to(embed)

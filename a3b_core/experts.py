@@ -152,3 +152,17 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+
+
+class Fp8Linear(nn.Module):
+    """A bias-free linear layer kept as released FP8 with its block scales and dequantised per use: on a GPU this
+    halves the VRAM of the dense parts of an FP8 checkpoint."""
+
+    def __init__(self, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]):
+        super().__init__()
+        self.q = nn.Buffer(q.clone())
+        self.scale = nn.Buffer(scale_inv.float().reshape(scale_inv.shape))
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, dequantize_fp8(self.q, self.scale, block=self.block).to(x.dtype))

@@ -25,9 +25,6 @@ from .errors import GenerationError, PromptError
 from .sampling import Sampler, SamplingParams, resolve_sampling
 from .tokenizer import StreamDecoder, Tokenizer
 
-# The default context cap (configs allow 262144): room for Qwen's recommended 32768-token answers after a long
-# prompt, while a typo in max_new_tokens still fails fast instead of allocating a huge cache.
-DEFAULT_MAX_CONTEXT = 65536
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 BUDGET_CLOSE = "\n</think>\n\n"  # forced when the thinking budget runs out; the model then writes its answer
 EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
@@ -139,8 +136,8 @@ def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed,
     if thinking_budget is not None:
         thinking_budget = _whole("thinking_budget", thinking_budget, 0, "Use None for no limit.")
     positions = model.config.text.max_position_embeddings
-    if max_context is None:
-        max_context = min(positions, DEFAULT_MAX_CONTEXT)
+    if max_context is None:  # the loader's plan sized memory for this context
+        max_context = min(positions, model.max_context)
     max_context = _whole("max_context", max_context, 1, "Use None for the default.")
     if max_context > positions:
         raise GenerationError(f"max_context is {max_context} but the model supports {positions} positions "
@@ -157,7 +154,7 @@ def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed,
                               "them in separate batches or set every sampler value explicitly.")
     sampling = resolve_sampling(modes.pop(), **sampler_values)
     return _Options(max_new_tokens, sampling, int(seed) % 2 ** 64, tuple(s for s in stops if s), thinking_budget,
-                    kv_dtype, max_context)
+                    kv_dtype if kv_dtype is not None else model.kv_dtype, max_context)
 
 
 # ------------------------------------------------------------------------------------------ outputs
@@ -339,7 +336,7 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
             offsets, tokens = offsets[kept], tokens[kept]
             active = [active[i] for i in keep]
         position = (cache.length + offsets).view(1, -1, 1).expand(3, -1, -1)
-        logits = model.text(model.text.embed_tokens(tokens[:, None]), position, cache, None, last_only=True)[:, -1]
+        logits = model.text(model.embed(tokens[:, None], None), position, cache, None, last_only=True)[:, -1]
         decoded += len(active)
     decode_s = time.perf_counter() - started - stats["ttft_s"]
     stats["decode_tok_s"] = decoded / decode_s if decoded and decode_s > 0 else 0.0

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .checkpoint import Checkpoint
+from .checkpoint import FP8_DTYPES, Checkpoint
 from .config import TextConfig
 from .errors import CheckpointError
-from .experts import FLOAT_FORMATS, FP8_BLOCK, QuantizedExperts
+from .experts import FLOAT_FORMATS, FP8_BLOCK, Fp8Linear, QuantizedExperts
 
 TEXT_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.", "")
 VISION_PREFIXES = ("model.visual.", "visual.")
@@ -46,12 +46,16 @@ def _set_param(root: nn.Module, name: str, value: torch.Tensor) -> None:
     setattr(module, leaf, nn.Parameter(value, requires_grad=False))
 
 
-def _checked(ckpt: Checkpoint, source: str, expected: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _check_shape(ckpt: Checkpoint, source: str, expected: tuple[int, ...]) -> None:
     info = ckpt.infos.get(source)
     if info is not None and info.shape != expected:
         raise CheckpointError(f"{info.file}: tensor '{source}' has shape {list(info.shape)} but config.json implies "
                               f"{list(expected)}. The config.json does not belong to these weights: use the one from "
                               "the same release.")
+
+
+def _checked(ckpt: Checkpoint, source: str, expected: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    _check_shape(ckpt, source, expected)
     return ckpt.weight(source, dtype)
 
 
@@ -76,10 +80,13 @@ ExpertPlacement = Callable[[int], tuple[str, torch.device]]  # layer -> (expert 
 
 def load_text_model(module: nn.Module, cfg: TextConfig, ckpt: Checkpoint, compute_dtype: torch.dtype,
                     progress: Progress | None = None, expert_placement: ExpertPlacement | None = None,
-                    cache_dir: Path | None = None) -> None:
+                    cache_dir: Path | None = None, keep_fp8: bool = False) -> None:
     """Fills a meta-device TextModel. Routed experts follow `expert_placement` (default: the compute dtype, on the
-    CPU); quantised formats are converted one expert at a time and cached under `cache_dir` for the next load."""
+    CPU); quantised formats are converted one expert at a time and cached under `cache_dir` for the next load.
+    With `keep_fp8`, dense matrices stored as FP8 stay FP8 (Fp8Linear)."""
     prefix = find_prefix(ckpt, "embed_tokens.weight", TEXT_PREFIXES, "language model")
+    if keep_fp8:
+        keep_fp8_linears(module, ckpt, prefix)
     placement = expert_placement or (lambda layer: (FORMAT_OF_DTYPE[compute_dtype], torch.device("cpu")))
     float_experts: dict[int, torch.dtype] = {}
     for layer, block in enumerate(module.layers):
@@ -107,6 +114,18 @@ def load_text_model(module: nn.Module, cfg: TextConfig, ckpt: Checkpoint, comput
         return None
 
     load_module(module, ckpt, prefix, compute_dtype, special, progress)
+
+
+def keep_fp8_linears(module: nn.Module, ckpt: Checkpoint, prefix: str) -> None:
+    """Swaps each bias-free Linear whose checkpoint weight is FP8 (with block scales) for an Fp8Linear."""
+    for name, child in list(module.named_modules()):
+        source = f"{prefix}{name}.weight"
+        if (isinstance(child, nn.Linear) and child.bias is None and source + "_scale_inv" in ckpt
+                and ckpt.infos[source].dtype in FP8_DTYPES):
+            _check_shape(ckpt, source, tuple(child.weight.shape))
+            parent, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(parent), leaf,
+                    Fp8Linear(ckpt.raw(source), ckpt.raw(source + "_scale_inv"), ckpt.fp8_block))
 
 
 FORMAT_OF_DTYPE = {dtype: fmt for fmt, dtype in FLOAT_FORMATS.items()}

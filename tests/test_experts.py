@@ -33,9 +33,9 @@ def test_expert_bytes_relative_to_bf16(fmt):
 
 
 # Stated bounds: mean |logit error| of quantised routed experts against the fp32 model (tiny random MoE, logit std
-# 0.57; measured 0.007 bf16, 0.076 fp8, 0.024 int8, 0.23 int4 with 128-wide int4 groups), and the worst token
-# (a flipped router choice moves a whole row).
-LOGIT_BOUNDS = {"bf16": (0.02, 1.0), "fp8": (0.12, 2.0), "int8": (0.05, 2.0), "int4": (0.35, 3.0)}
+# 0.57; measured 0.007 bf16 experts, 0.024 int8, 0.23 int4 with 128-wide groups, and 0.17 for the whole FP8 release
+# with its fp8 dense matrices), and the worst token (a flipped router choice moves a whole row).
+LOGIT_BOUNDS = {"bf16": (0.02, 1.0), "fp8": (0.25, 2.5), "int8": (0.05, 2.0), "int4": (0.35, 3.0)}
 
 
 @pytest.mark.parametrize("fmt", LOGIT_BOUNDS)
@@ -43,7 +43,9 @@ def test_quantised_experts_stay_within_bounds(fixtures, fmt, tmp_path, monkeypat
     monkeypatch.setenv("A3B_CACHE_DIR", str(tmp_path))
     ids = fixtures.refs(fixtures.moe_fused_bf16)["text.input_ids"]
     reference = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32").logits(ids)
-    model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32", weight_format=fmt)
+    # fp8 is never made from a bf16 checkpoint: measure the FP8 release of the same weights (its dense parts are fp8 too)
+    folder = fixtures.moe_fp8 if fmt == "fp8" else fixtures.moe_fused_bf16
+    model = load_model(folder, preset="cpu", compute_dtype="float32", weight_format=fmt)
     err = (model.logits(ids) - reference).abs()
     mean_bound, max_bound = LOGIT_BOUNDS[fmt]
     assert err.mean() < mean_bound and err.max() < max_bound
