@@ -185,14 +185,22 @@ def split_reasoning(raw: str, thinking: bool | None) -> tuple[str, str]:
     return "\n\n".join(p.strip() for p in reasoning if p.strip()), "".join(answer).strip()
 
 
+class _NoText:
+    """The stream decoder of a model folder without a tokenizer: token ids are kept, no text is made."""
+    text = ""
+
+    def push(self, token_id: int) -> str:
+        return ""
+
+
 class SequenceOutput:
     """One sequence's output as tokens arrive: its text so far (UTF-8 safe), thinking state, forced tokens, stop."""
 
-    def __init__(self, tokenizer: Tokenizer, thinking: bool | None, stop: tuple[str, ...] = (),
+    def __init__(self, tokenizer: Tokenizer | None, thinking: bool | None, stop: tuple[str, ...] = (),
                  thinking_budget: int | None = None, think_close_id: int | None = None,
                  budget_close: Sequence[int] = ()):
         self.thinking = thinking
-        self.decoder = StreamDecoder(tokenizer, skip_special_tokens=True)
+        self.decoder = StreamDecoder(tokenizer, skip_special_tokens=True) if tokenizer else _NoText()
         self.prefix = THINK_OPEN + "\n" if thinking else ""
         self.tokens: list[int] = []
         self.stops = stop
@@ -260,12 +268,15 @@ def _run(model: A3BModel, prompts: list, *, max_new_tokens, temperature, top_p, 
                     thinking_budget=thinking_budget, kv_dtype=kv_dtype, max_context=max_context,
                     temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                     presence_penalty=presence_penalty, repetition_penalty=repetition_penalty)
-    tokenizer = model.require_tokenizer()
+    # raw token ids can be generated without a tokenizer (token ids only, no text): benchmarks, bare checkpoints
+    ids_only = model.tokenizer is None and not opts.stop and all(r.thinking is None for r in requests)
+    tokenizer = None if ids_only else model.require_tokenizer()
     thinking = any(r.thinking for r in requests)
     think_close_id = tokenizer.token_id(THINK_CLOSE) if thinking else None
     budget_close = tokenizer.encode(BUDGET_CLOSE) if thinking else []
     eos_ids = frozenset(model.config.text.eos_token_ids) | {
-        i for i in map(tokenizer.maybe_token_id, EOS_TOKENS) if i is not None}
+        i for i in map(tokenizer.maybe_token_id, EOS_TOKENS) if i is not None} if tokenizer else frozenset(
+        model.config.text.eos_token_ids)
     rows = [SequenceOutput(tokenizer, r.thinking, opts.stop, opts.thinking_budget, think_close_id, budget_close)
             for r in requests]
     with torch.inference_mode():
