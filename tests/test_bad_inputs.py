@@ -1,0 +1,610 @@
+"""Every bad input a user can hand the engine gets a specific A3BError that names the input and the fix.
+
+The cases go through the public API (load_model, encode_images, build_prompt, generate) on copies of the tiny fixture
+folders, and check three things: the error class (a specific subclass, never a torch/json/PIL exception), that the
+message names the file / field / input, and that it says what to do (a fix verb such as "download", "use", "pass",
+"shorten"). Nothing may be left behind: every file under the test's folder is the same before and after the failing
+call. The parsers' own unit tests (test_checkpoint, test_config, test_image, test_prompt, test_generation,
+test_sampling) check each parser alone; this file covers what only shows end to end, and odd inputs that must work.
+
+Cases marked xfail(strict) are engine bugs found here; each reason says what happens now. They flip to failures
+when the engine is fixed, so the marker can then be removed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+import shutil
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer as BareTokenizer
+from tokenizers import models as tokenizer_models
+
+from a3b_core import (A3BError, ChatPrompt, CheckpointError, ConfigError, EncodedImages, GenerationError, ImageError,
+                      PlacementError, PromptError, load_model)
+from a3b_core.checkpoint import PICKLE_SUFFIXES, read_header
+from a3b_core.config import parse_config
+from a3b_core.image import resize_image
+from a3b_core.prompt import Prompt
+
+# An instruction the user can follow. "download" alone is too loose ("The download is incomplete" tells nobody what
+# to do), so it must come with an object or "again".
+FIX = re.compile(r"\b(re-?download|download (it|this|them|the|all|again|into)|use|pass|shorten|lower|raise|remove|"
+                 r"copy|point|pick|give|connect|write|put|move|check|save|re-export|downscale|crop|set|ask|build|"
+                 r"encode|reinstall|delete|rename|install)\b", re.IGNORECASE)
+
+BF16_SHARDS = [f"model.safetensors-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+FP8_SHARDS = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+INDEX = "model.safetensors.index.json"
+EMBED = "model.language_model.embed_tokens.weight"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices only pay for thread spin-up; one thread keeps this fast on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def model(fixtures):
+    return load_model(fixtures.moe_hf, preset="cpu", compute_dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def square(model, fixtures) -> EncodedImages:
+    return model.encode_images(fixtures.square_image)  # 144 tokens
+
+
+@dataclass
+class Workspace:
+    """A test's scratch folder, the shared fixtures and the shared model; model folders are copied before changes."""
+    tmp: Path
+    fixtures: object
+    model: object
+    square: EncodedImages
+
+    def copy(self, name: str) -> Path:
+        folder = self.tmp / name
+        shutil.copytree(getattr(self.fixtures, name), folder)
+        return folder
+
+    @staticmethod
+    def load(folder, **options):
+        return load_model(folder, preset="cpu", compute_dtype="float32", **options)
+
+
+@pytest.fixture
+def ws(tmp_path, fixtures, model, square, monkeypatch) -> Workspace:
+    monkeypatch.setenv("A3B_CACHE_DIR", str(tmp_path / "cache"))
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return Workspace(tmp_path, fixtures, model, square)
+
+
+# ------------------------------------------------------------------------------------------------ file surgery
+def rewrite_header(path: Path, change: Callable[[dict], None]) -> None:
+    """Changes a safetensors header in place, keeping the data section (offsets are relative to it)."""
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    change(header)
+    blob = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + length:])
+
+
+def replace_header_bytes(path: Path, blob: bytes) -> None:
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + length:])
+
+
+def edit_json(path: Path, change: Callable[[dict], None]) -> None:
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def edit_text_config(folder: Path, **fields) -> None:
+    edit_json(folder / "config.json", lambda c: c["text_config"].update(fields))
+
+
+def edit_rope(folder: Path, **fields) -> None:
+    edit_json(folder / "config.json", lambda c: c["text_config"]["rope_parameters"].update(fields))
+
+
+def retype_tensor(path: Path, name: str, convert: Callable[[torch.Tensor], torch.Tensor | None]) -> None:
+    """Rewrites one tensor of a safetensors file (or drops it when `convert` returns None)."""
+    tensors = load_file(path)
+    value = convert(tensors.pop(name))
+    if value is not None:
+        tensors[name] = value
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def first_two_tensors(header: dict) -> tuple[str, str]:
+    names = sorted((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0])
+    return names[0], names[1]
+
+
+DEEP_JSON = b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
+
+
+def png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims width x height: cheap on disk, huge if decoded."""
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
+
+
+def shapes_image() -> Image.Image:
+    img = Image.new("RGB", (96, 64), "white")
+    ImageDraw.Draw(img).ellipse((10, 10, 50, 50), fill="red")
+    return img
+
+
+def generate(ws: Workspace, prompt, **options):
+    return ws.model.generate(prompt, **({"max_new_tokens": 4, "temperature": 0} | options))
+
+
+# ------------------------------------------------------------------------------------------------ the cases
+@dataclass(frozen=True)
+class Bad:
+    """A bad input: `prepare` builds it in the workspace and returns the call that must fail."""
+    id: str
+    prepare: Callable[[Workspace], Callable[[], object]]
+    error: type[A3BError]
+    names: tuple[str, ...]  # must all appear in the message: the file, tensor, field or value at fault
+    fix: bool = True  # False: the message names no fix yet (see test_message_names_a_fix)
+
+
+def bug(bad: Bad, now: str):
+    """A case the engine gets wrong today: `now` is what happens instead."""
+    return pytest.param(bad, id=bad.id, marks=pytest.mark.xfail(strict=True, reason=now))
+
+
+def case(bad: Bad):
+    return pytest.param(bad, id=bad.id)
+
+
+def load_after(name: str, change: Callable[[Path], None], **options) -> Callable[[Workspace], Callable[[], object]]:
+    """A fixture folder copied, changed by `change`, then loaded."""
+    def prepare(ws: Workspace):
+        folder = ws.copy(name)
+        change(folder)
+        return lambda: ws.load(folder, **options)
+    return prepare
+
+
+def truncate(path: Path, keep: int) -> None:
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+def symlink_shard_outside(folder: Path) -> None:
+    outside = folder.parent / "elsewhere"
+    outside.mkdir()
+    shard = folder / BF16_SHARDS[2]
+    shutil.move(shard, outside / shard.name)
+    shard.symlink_to(outside / shard.name)
+
+
+def add_duplicate_shard(folder: Path) -> None:
+    shutil.copy(folder / BF16_SHARDS[0], folder / "extra.safetensors")
+    edit_json(folder / INDEX, lambda index: index["weight_map"].update({"extra.tensor": "extra.safetensors"}))
+
+
+def overlap_two_tensors(header: dict) -> None:
+    first, second = first_two_tensors(header)
+    begin = header[first]["data_offsets"][0]
+    size = header[second]["data_offsets"][1] - header[second]["data_offsets"][0]
+    header[second]["data_offsets"] = [begin, begin + size]
+
+
+def drop_fp8_scale(folder: Path) -> None:
+    for shard in FP8_SHARDS:
+        names = [n for n in read_header(folder / shard) if n.endswith("self_attn.q_proj.weight_scale_inv")]
+        if names:
+            retype_tensor(folder / shard, names[0], lambda _: None)
+
+
+def fp8_embeddings(folder: Path) -> None:
+    retype_tensor(folder / "model.safetensors", EMBED, lambda t: t.to(torch.float8_e4m3fn))
+
+
+def int_norm(folder: Path) -> None:
+    retype_tensor(folder / "model.safetensors", "model.language_model.norm.weight", lambda t: t.to(torch.int32))
+
+
+def block_size(value) -> Callable[[Path], None]:
+    return lambda folder: edit_json(folder / "config.json",
+                                    lambda c: c["quantization_config"].update(weight_block_size=value))
+
+
+def remove_text_field(field: str) -> Callable[[Path], None]:
+    return lambda folder: edit_json(folder / "config.json", lambda c: c["text_config"].pop(field))
+
+
+def symlink_outside(file: str) -> Callable[[Path], None]:
+    def change(folder: Path) -> None:
+        outside = folder.parent / "elsewhere"
+        outside.mkdir()
+        shutil.move(folder / file, outside / file)
+        (folder / file).symlink_to(outside / file)
+    return change
+
+
+def bare_tokenizer(folder: Path) -> None:
+    BareTokenizer(tokenizer_models.BPE()).save(str(folder / "tokenizer.json"))
+
+
+def load_path(path: str) -> Callable[[Workspace], Callable[[], object]]:
+    return lambda ws: lambda: ws.load(path)
+
+
+def load_option(**options) -> Callable[[Workspace], Callable[[], object]]:
+    return lambda ws: lambda: load_model(ws.fixtures.moe_hf, **({"preset": "cpu"} | options))
+
+
+def in_model_folder(ws: Workspace):
+    os.chdir(ws.copy("moe_hf"))
+    return lambda: ws.load("")
+
+
+def dotdot_path(ws: Workspace):
+    deep = ws.tmp / "work" / "a" / "b"
+    deep.mkdir(parents=True)
+    os.chdir(deep)
+    return lambda: ws.load("../..")
+
+
+def without_tokenizer(use: Callable[[object], object]) -> Callable[[Workspace], Callable[[], object]]:
+    """The model loads without tokenizer.json; `use` is what then fails."""
+    def prepare(ws: Workspace):
+        folder = ws.copy("moe_hf")
+        (folder / "tokenizer.json").unlink()
+        model = ws.load(folder)
+        return lambda: use(model)
+    return prepare
+
+
+def prompt_with_tokenizer_lacking_vision_tokens(ws: Workspace):
+    folder = ws.copy("moe_hf")
+    bare_tokenizer(folder)
+    other = ws.load(folder)
+    return lambda: other.build_prompt("Describe [[IMG]]", images=ws.square)
+
+
+def parse_text(**fields) -> Callable[[Workspace], Callable[[], object]]:
+    def prepare(ws: Workspace):
+        raw = json.loads((ws.fixtures.moe_hf / "config.json").read_text())
+        raw["text_config"].update(fields)
+        return lambda: parse_config(raw)
+    return prepare
+
+
+# --- images: each is a file written into the workspace, or an in-memory value, handed to model.encode_images
+def encode(make: Callable[[Path], object], **options) -> Callable[[Workspace], Callable[[], object]]:
+    def prepare(ws: Workspace):
+        images = make(ws.tmp)
+        return lambda: ws.model.encode_images(images, **options)
+    return prepare
+
+
+def write(name: str, data: bytes) -> Callable[[Path], Path]:
+    def make(folder: Path) -> Path:
+        (folder / name).write_bytes(data)
+        return folder / name
+    return make
+
+
+def truncated_png(folder: Path) -> Path:
+    path = folder / "cut.png"
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8))
+    noise.save(path)
+    truncate(path, 300)
+    return path
+
+
+def encode_on_text_model(ws: Workspace):
+    text_only = ws.load(ws.fixtures.moe_text)
+    return lambda: text_only.encode_images(ws.fixtures.square_image)
+
+
+# --- prompts and generation
+def prompt(user: str, with_image: bool = False, **options) -> Callable[[Workspace], Callable[[], object]]:
+    return lambda ws: lambda: ws.model.build_prompt(user, images=ws.square if with_image else None, **options)
+
+
+def generate_with(**options) -> Callable[[Workspace], Callable[[], object]]:
+    return lambda ws: lambda: generate(ws, ws.model.build_prompt("Describe the image."), **options)
+
+
+def image_prompt_over_context(ws: Workspace):
+    return lambda: generate(ws, ws.model.build_prompt("Describe [[IMG]]", images=ws.square), max_context=100)
+
+
+def images_from_another_model(ws: Workspace):
+    narrow = EncodedImages([torch.zeros(144, 64)], [(1, 24, 24)])  # a model whose embeddings are 64 wide
+    return lambda: generate(ws, ws.model.build_prompt("Describe [[IMG]]", images=narrow))
+
+
+def chat_prompt_outside_vocabulary(ws: Workspace):
+    foreign = ChatPrompt(Prompt((504, 9999, 505), (), False, ""), EncodedImages([], []))  # another tokenizer's ids
+    return lambda: generate(ws, foreign)
+
+
+CHECKPOINT_CASES = [
+    case(Bad("truncated-shard", load_after("moe_fused_bf16", lambda f: truncate(f / BF16_SHARDS[1], 1_000_000)),
+             CheckpointError, (BF16_SHARDS[1], "truncated"))),
+    case(Bad("missing-shard", load_after("moe_fused_bf16", lambda f: (f / BF16_SHARDS[2]).unlink()),
+             CheckpointError, (BF16_SHARDS[2], INDEX))),
+    case(Bad("header-length-beyond-file", load_after(
+        "moe_fused_bf16", lambda f: (f / BF16_SHARDS[0]).write_bytes(
+            struct.pack("<Q", 2**40) + (f / BF16_SHARDS[0]).read_bytes()[8:])),
+        CheckpointError, (BF16_SHARDS[0], "header claims"))),
+    case(Bad("file-of-4-bytes", load_after("moe_hf", lambda f: (f / "model.safetensors").write_bytes(b"\x01\x02\x03\x04")),
+             CheckpointError, ("model.safetensors", "too short"))),
+    case(Bad("header-not-json", load_after("moe_fused_bf16", lambda f: replace_header_bytes(
+        f / BF16_SHARDS[0], b"\xff\xfe" + b"x" * 200)), CheckpointError, (BF16_SHARDS[0], "not valid JSON"))),
+    case(Bad("header-not-an-object", load_after("moe_fused_bf16", lambda f: replace_header_bytes(
+        f / BF16_SHARDS[0], b"[1, 2, 3]")), CheckpointError, (BF16_SHARDS[0], "not a JSON object"))),
+    case(Bad("absurd-shape", load_after("moe_fused_bf16", lambda f: rewrite_header(
+        f / BF16_SHARDS[2], lambda h: h["lm_head.weight"].update(shape=[2**39, 2**39]))),
+        CheckpointError, (BF16_SHARDS[2], "lm_head.weight"))),
+    case(Bad("overlapping-offsets", load_after("moe_fused_bf16", lambda f: rewrite_header(
+        f / BF16_SHARDS[0], overlap_two_tensors)), CheckpointError, (BF16_SHARDS[0], "overlap"))),
+    case(Bad("unknown-dtype", load_after("moe_fused_bf16", lambda f: rewrite_header(
+        f / BF16_SHARDS[2], lambda h: h["lm_head.weight"].update(dtype="Q4_K"))),
+        CheckpointError, (BF16_SHARDS[2], "lm_head.weight", "Q4_K"), fix=False)),
+    bug(Bad("deeply-nested-header", load_after("moe_fused_bf16", lambda f: replace_header_bytes(
+        f / BF16_SHARDS[0], DEEP_JSON)), CheckpointError, (BF16_SHARDS[0],)),
+        "RecursionError from json.loads escapes read_header (it catches only JSONDecodeError/UnicodeDecodeError)"),
+    case(Bad("index-not-json", load_after("moe_fused_bf16", lambda f: truncate(f / INDEX, 40)),
+             CheckpointError, (INDEX,))),
+    case(Bad("index-shard-in-parent-folder", load_after("moe_fused_bf16", lambda f: edit_json(
+        f / INDEX, lambda i: i["weight_map"].update(x="../model.safetensors"))),
+        CheckpointError, (INDEX, "../model.safetensors"), fix=False)),
+    case(Bad("index-shard-absolute-path", load_after("moe_fused_bf16", lambda f: edit_json(
+        f / INDEX, lambda i: i["weight_map"].update(x="/etc/passwd"))),
+        CheckpointError, (INDEX, "/etc/passwd"), fix=False)),
+    bug(Bad("deeply-nested-index", load_after("moe_fused_bf16", lambda f: (f / INDEX).write_bytes(DEEP_JSON)),
+            CheckpointError, (INDEX,)),
+        "RecursionError from json.loads escapes find_weight_files"),
+    case(Bad("shard-symlinked-outside", load_after("moe_fused_bf16", symlink_shard_outside),
+             CheckpointError, (BF16_SHARDS[2], "outside the model folder"))),
+    case(Bad("tensor-in-two-shards", load_after("moe_fused_bf16", add_duplicate_shard),
+             CheckpointError, ("extra.safetensors", BF16_SHARDS[0]))),
+    case(Bad("weights-file-is-a-folder", load_after("moe_hf", lambda f: (
+        (f / "model.safetensors").unlink(), (f / "model.safetensors").mkdir())),
+        CheckpointError, ("model.safetensors",))),
+    case(Bad("no-weights", load_after("moe_hf", lambda f: (f / "model.safetensors").unlink()),
+             CheckpointError, ("moe_hf", ".safetensors"))),
+    case(Bad("fp8-scale-missing", load_after("moe_fp8", drop_fp8_scale),
+             CheckpointError, ("self_attn.q_proj.weight", "model-0000"), fix=False)),
+    case(Bad("fp8-block-size-disagrees", load_after("moe_fp8", block_size([64, 64])),
+             CheckpointError, ("weight_block_size", ".weight'"), fix=False)),
+    bug(Bad("fp8-block-size-zero", load_after("moe_fp8", block_size([0, 128])), ConfigError, ("weight_block_size",)),
+        "ZeroDivisionError in dequantize_fp8: quantization_config.weight_block_size is never checked"),
+    bug(Bad("fp8-block-size-one-number", load_after("moe_fp8", block_size([128])), ConfigError, ("weight_block_size",)),
+        "IndexError in dequantize_fp8 (block[1])"),
+    bug(Bad("fp8-block-size-string", load_after("moe_fp8", block_size("128x128")), ConfigError,
+            ("weight_block_size",)),
+        "TypeError in dequantize_fp8 (int // str)"),
+    case(Bad("fp8-tensor-in-bf16-model", load_after("moe_hf", fp8_embeddings), CheckpointError,
+             (EMBED, "model.safetensors"), fix=False)),
+    bug(Bad("integer-dtype-weight", load_after("moe_hf", int_norm), CheckpointError,
+            ("model.language_model.norm.weight", "model.safetensors", "I32")),
+        "an int32 norm weight is silently cast to float and the model loads"),
+    case(Bad("hidden-size-disagrees", load_after("moe_hf", lambda f: edit_text_config(f, hidden_size=256)),
+             CheckpointError, (EMBED, "model.safetensors", "[512, 128]", "[512, 256]"))),
+    case(Bad("expert-count-disagrees", load_after("moe_fused_bf16", lambda f: edit_text_config(f, num_experts=16)),
+             CheckpointError, ("mlp.gate.weight", "model.safetensors-0000"))),
+    case(Bad("expert-size-disagrees", load_after(
+        "moe_fused_bf16", lambda f: edit_text_config(f, moe_intermediate_size=128)),
+        CheckpointError, ("mlp.experts.", "model.safetensors-0000"))),
+    case(Bad("kv-heads-disagree", load_after("moe_hf", lambda f: edit_text_config(f, num_key_value_heads=3)),
+             CheckpointError, ("self_attn.k_proj.weight", "model.safetensors"))),
+    case(Bad("layer-types-disagree", load_after(
+        "moe_hf", lambda f: edit_text_config(f, layer_types=["full_attention"] * 4)),
+        CheckpointError, ("layers.0.self_attn.q_proj.weight", "missing"))),
+    case(Bad("vision-width-disagrees", load_after("moe_hf", lambda f: edit_json(
+        f / "config.json", lambda c: c["vision_config"].update(hidden_size=96))),
+        CheckpointError, ("model.visual.patch_embed.proj.weight", "model.safetensors"))),
+    case(Bad("vocab-disagrees", load_after("moe_hf", lambda f: edit_text_config(f, vocab_size=1024)),
+             CheckpointError, (EMBED, "[1024, 128]"))),
+]
+
+CONFIG_CASES = [
+    case(Bad("config-missing", load_after("moe_hf", lambda f: (f / "config.json").unlink()),
+             ConfigError, ("config.json", "missing"))),
+    case(Bad("config-truncated", load_after("moe_hf", lambda f: truncate(f / "config.json", 100)),
+             ConfigError, ("config.json", "JSON"))),
+    case(Bad("config-is-a-list", load_after("moe_hf", lambda f: (f / "config.json").write_text("[]")),
+             ConfigError, ("config.json", "object"), fix=False)),
+    bug(Bad("config-deeply-nested", load_after("moe_hf", lambda f: (f / "config.json").write_bytes(DEEP_JSON)),
+            ConfigError, ("config.json",)),
+        "RecursionError from json.loads escapes load_config"),
+    case(Bad("config-field-missing", load_after("moe_hf", remove_text_field("vocab_size")),
+             ConfigError, ("config.json", "'vocab_size'"))),
+    case(Bad("config-field-wrong-type", load_after("moe_hf", lambda f: edit_text_config(f, num_attention_heads=4.0)),
+             ConfigError, ("config.json", "'num_attention_heads'"), fix=False)),
+    case(Bad("model-type-unsupported", load_after("moe_hf", lambda f: edit_json(
+        f / "config.json", lambda c: c.update(model_type="llama"))), ConfigError, ("config.json", "'llama'"))),
+    case(Bad("vision-activation-unsupported", load_after("moe_hf", lambda f: edit_json(
+        f / "config.json", lambda c: c["vision_config"].update(hidden_act="swish"))),
+        ConfigError, ("hidden_act", "swish"))),
+    bug(Bad("more-experts-per-token-than-experts", load_after(
+        "moe_hf", lambda f: edit_text_config(f, num_experts_per_tok=9)), ConfigError, ("num_experts_per_tok",)),
+        "loads, then generate raises torch's RuntimeError 'selected index k out of range'"),
+    bug(Bad("eos-token-id-string", load_after("moe_hf", lambda f: edit_text_config(f, eos_token_id="505")),
+            ConfigError, ("eos_token_id",)),
+        "parses as ('505',); generate then raises TypeError comparing str and int"),
+    bug(Bad("eos-token-id-list-with-null", load_after(
+        "moe_hf", lambda f: edit_text_config(f, eos_token_id=[505, None])), ConfigError, ("eos_token_id",)),
+        "parses; generate then raises TypeError comparing None and int"),
+    bug(Bad("rope-theta-not-a-number", load_after("moe_hf", lambda f: edit_rope(f, rope_theta="ten million")),
+            ConfigError, ("rope_theta",)),
+        "ValueError from float() in parse_text_config"),
+    bug(Bad("rotary-factor-not-a-number", load_after("moe_hf", lambda f: edit_rope(f, partial_rotary_factor="x")),
+            ConfigError, ("partial_rotary_factor",)),
+        "ValueError from float() in parse_text_config"),
+    bug(Bad("mrope-section-not-a-list", load_after("moe_hf", lambda f: edit_rope(f, mrope_section=8)),
+            ConfigError, ("mrope_section",)),
+        "TypeError: 'int' object is not iterable in parse_text_config"),
+    bug(Bad("layer-types-not-strings", load_after("moe_hf", lambda f: edit_text_config(f, layer_types=[{}] * 4)),
+            ConfigError, ("layer_types",)),
+        "TypeError: unhashable type 'dict' in parse_text_config"),
+    bug(Bad("heads-not-a-multiple-of-kv-heads", parse_text(num_key_value_heads=3), ConfigError,
+            ("num_key_value_heads",)),
+        "parse_config accepts 4 heads over 3 KV heads (only a checkpoint with other shapes stops it)"),
+    bug(Bad("linear-value-heads-not-a-multiple", parse_text(linear_num_value_heads=3), ConfigError,
+            ("linear_num_value_heads",)),
+        "parse_config accepts 3 value heads over 2 key heads"),
+]
+
+FOLDER_CASES = [
+    case(Bad("tokenizer-missing", without_tokenizer(lambda model: model.build_prompt("hi")),
+             ConfigError, ("tokenizer.json", "missing"))),
+    case(Bad("tokenizer-missing-stop-string", without_tokenizer(  # raw ids need no tokenizer; stop strings do
+        lambda model: model.generate([1, 2, 3], max_new_tokens=2, temperature=0, stop=".")), ConfigError,
+        ("tokenizer.json",))),
+    case(Bad("tokenizer-empty", load_after("moe_hf", lambda f: (f / "tokenizer.json").write_bytes(b"")),
+             CheckpointError, ("tokenizer.json",))),
+    case(Bad("tokenizer-not-a-tokenizer", load_after("moe_hf", lambda f: (f / "tokenizer.json").write_text("{}")),
+             CheckpointError, ("tokenizer.json",))),
+    case(Bad("tokenizer-lacks-vision-tokens", prompt_with_tokenizer_lacking_vision_tokens,
+             CheckpointError, ("tokenizer.json", "<|vision_start|>"))),
+    bug(Bad("config-symlinked-outside", load_after("moe_hf", symlink_outside("config.json")),
+            ConfigError, ("config.json", "outside")),
+        "config.json is read through a symlink to outside the folder (weights in the same place are refused)"),
+    bug(Bad("tokenizer-symlinked-outside", load_after("moe_hf", symlink_outside("tokenizer.json")),
+            CheckpointError, ("tokenizer.json", "outside")),
+        "tokenizer.json is read through a symlink to outside the folder (weights in the same place are refused)"),
+    case(Bad("path-missing", load_path("/nonexistent/models/LLM/Qwen3.5"), ConfigError,
+             ("/nonexistent/models/LLM/Qwen3.5", "not found"))),
+    case(Bad("path-is-a-file", lambda ws: lambda: ws.load(ws.fixtures.moe_hf / "config.json"), ConfigError,
+             ("config.json", "not found"))),
+    case(Bad("path-climbs-out-with-dotdot", dotdot_path, ConfigError, ("../../config.json",))),
+    case(Bad("path-is-the-root", load_path("/"), ConfigError, ("/config.json",))),
+    case(Bad("path-with-nul-byte", load_path("models/LLM/a\0b"), ConfigError, ("models/LLM/a",))),
+    bug(Bad("path-empty", in_model_folder, ConfigError, ()),
+        "load_model('') loads whatever model is in the current directory (Path('') is '.')"),
+    case(Bad("preset-unknown", load_option(preset="4gb"), PlacementError, ("'4gb'",))),
+    case(Bad("compute-dtype-unknown", load_option(compute_dtype="fp8"), ConfigError, ("'fp8'",))),
+    case(Bad("weight-format-unknown", load_option(weight_format="q3_k"), PlacementError, ("'q3_k'",))),
+]
+
+IMAGE_CASES = [
+    case(Bad("image-empty-file", encode(write("empty.png", b"")), ImageError, ("empty.png",))),
+    case(Bad("image-truncated-png", encode(truncated_png), ImageError, ("cut.png", "truncated"))),
+    case(Bad("image-over-pixel-limit", encode(write("huge.png", png_header_only(12000, 12000))), ImageError,
+             ("huge.png", "12000"))),
+    case(Bad("image-batch-empty", encode(lambda _: torch.zeros(0, 64, 64, 3)), ImageError, ("No images",))),
+    case(Bad("image-two-channels", encode(lambda _: torch.zeros(1, 64, 64, 2)), ImageError, ("(64, 64, 2)",))),
+    case(Bad("image-int32-tensor", encode(lambda _: torch.zeros(1, 8, 8, 3, dtype=torch.int32)), ImageError,
+             ("torch.int32",))),
+    case(Bad("image-nan-tensor", encode(lambda _: torch.full((1, 8, 8, 3), float("nan"))), ImageError, ("NaN",))),
+    case(Bad("image-path-is-a-folder", encode(lambda folder: folder), ImageError, ("does not exist or is not a file",))),
+    case(Bad("image-text-instead-of-path", encode(lambda _: "Describe this picture"), ImageError,
+             ("Describe this picture",))),
+    case(Bad("image-raw-bytes", encode(lambda _: png_header_only(8, 8)), ImageError, ("bytes",))),
+    case(Bad("image-none", encode(lambda _: None), ImageError, ("NoneType",))),
+    case(Bad("image-on-text-only-model", encode_on_text_model, ImageError, ("moe_text", "vision"))),
+    bug(Bad("image-size-above-processor-limit", lambda ws: lambda: resize_image(shapes_image(), 4128), ImageError,
+            ("4128",)),
+        "resize_image allocates a 4128x4128 image that to_patches then shrinks to 4096x4096 at most (size 32000 "
+        "allocates 3 GB)"),
+]
+
+PROMPT_CASES = [
+    case(Bad("prompt-empty", prompt("   "), PromptError, ("empty",))),
+    case(Bad("prompt-marker-without-image", prompt("Describe [[IMG]]"), PromptError, ("1 [[IMG]]", "0 images"))),
+    case(Bad("prompt-more-markers-than-images", prompt("Compare [[IMG]] with [[IMG]]", with_image=True), PromptError,
+             ("2 [[IMG]]", "1 images"))),
+    case(Bad("prompt-image-over-context", image_prompt_over_context, PromptError, ("max_context=100",))),
+    bug(Bad("prompt-lone-surrogate", prompt("caf\udce9 au lait"), PromptError, ("user text",)),
+        "TypeError 'TextInputSequence must be str' from the tokenizers library"),
+    bug(Bad("prompt-images-not-encoded", lambda ws: lambda: ws.model.build_prompt(
+        "Describe [[IMG]]", images=[shapes_image()]), PromptError, ("encode_images",)),
+        "AttributeError: 'list' object has no attribute 'token_counts'"),
+    bug(Bad("prompt-images-from-another-model", images_from_another_model, PromptError, ("128", "64")),
+        "torch RuntimeError 'shape mismatch' in A3BModel.embed"),
+    bug(Bad("prompt-ids-outside-vocabulary", chat_prompt_outside_vocabulary, PromptError, ("vocabulary",)),
+        "IndexError from the embedding: ChatPrompt ids are never checked against the vocabulary"),
+]
+
+SAMPLING_CASES = [
+    case(Bad(f"sampling-{name}-{value}", generate_with(**{name: value}), error, (name,), fix))
+    for name, value, error, fix in [
+        ("temperature", -1, GenerationError, False),
+        ("temperature", float("nan"), GenerationError, False),
+        ("top_p", 0, GenerationError, True),
+        ("top_p", float("inf"), GenerationError, False),
+        ("top_k", -1, GenerationError, False),
+        ("min_p", 2, GenerationError, True),
+        ("repetition_penalty", 0, GenerationError, True),
+        ("presence_penalty", float("inf"), GenerationError, False),
+        ("seed", "lucky", GenerationError, False),
+        ("stop", [1], GenerationError, False),
+        ("max_new_tokens", 0, GenerationError, True),
+        ("thinking_budget", -1, GenerationError, True),
+        ("kv_dtype", "int4", GenerationError, True),
+        ("max_context", 10**9, GenerationError, True),
+    ]
+]
+
+ALL_CASES = CHECKPOINT_CASES + CONFIG_CASES + FOLDER_CASES + IMAGE_CASES + PROMPT_CASES + SAMPLING_CASES
+
+
+def snapshot(folder: Path) -> dict[str, int]:
+    return {str(p.relative_to(folder)): (p.stat().st_size if p.is_file() else -1) for p in folder.rglob("*")}
+
+
+@pytest.mark.parametrize("bad", ALL_CASES)
+def test_bad_input_gets_a_clear_error(ws, bad: Bad):
+    call = bad.prepare(ws)
+    before = snapshot(ws.tmp)
+    with pytest.raises(A3BError) as info:
+        call()
+    message = str(info.value)
+    assert type(info.value) is bad.error, f"{type(info.value).__name__}: {message}"
+    for name in bad.names:
+        assert name in message
+    if bad.fix:
+        assert FIX.search(message), f"no fix in: {message}"
+    assert snapshot(ws.tmp) == before  # nothing written, nothing half-written
+
+
+def _values(params) -> list[Bad]:
+    return [p.values[0] for p in params]
+
+
+@pytest.mark.parametrize("bad", [
+    pytest.param(bad, id=bad.id, marks=pytest.mark.xfail(strict=True, reason="the message names no fix"))
+    for bad in _values(ALL_CASES) if not bad.fix])
+def test_message_names_a_fix(ws, bad: Bad):
+    call = bad.prepare(ws)
+    with pytest.raises(A3BError) as info:
+        call()
+    assert FIX.search(str(info.value)), str(info.value)
+
+
+def test_case_ids_are_distinct():
+    ids = [bad.id for bad in _values(ALL_CASES)]
+    assert len(set(ids)) == len(ids)
