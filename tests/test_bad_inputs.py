@@ -98,20 +98,18 @@ def ws(tmp_path, fixtures, model, square, monkeypatch) -> Workspace:
 
 
 # ------------------------------------------------------------------------------------------------ file surgery
-def rewrite_header(path: Path, change: Callable[[dict], None]) -> None:
-    """Changes a safetensors header in place, keeping the data section (offsets are relative to it)."""
-    raw = path.read_bytes()
-    (length,) = struct.unpack("<Q", raw[:8])
-    header = json.loads(raw[8:8 + length])
-    change(header)
-    blob = json.dumps(header).encode()
-    path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + length:])
-
-
 def replace_header_bytes(path: Path, blob: bytes) -> None:
+    """Swaps a safetensors header for `blob`, keeping the data section (offsets are relative to it)."""
     raw = path.read_bytes()
     (length,) = struct.unpack("<Q", raw[:8])
     path.write_bytes(struct.pack("<Q", len(blob)) + blob + raw[8 + length:])
+
+
+def rewrite_header(path: Path, change: Callable[[dict], None]) -> None:
+    raw = path.read_bytes()
+    header = json.loads(raw[8:8 + struct.unpack("<Q", raw[:8])[0]])
+    change(header)
+    replace_header_bytes(path, json.dumps(header).encode())
 
 
 def edit_json(path: Path, change: Callable[[dict], None]) -> None:
@@ -137,11 +135,6 @@ def retype_tensor(path: Path, name: str, convert: Callable[[torch.Tensor], torch
     save_file(tensors, path, metadata={"format": "pt"})
 
 
-def first_two_tensors(header: dict) -> tuple[str, str]:
-    names = sorted((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0])
-    return names[0], names[1]
-
-
 DEEP_JSON = b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
 
 
@@ -164,11 +157,13 @@ def generate(ws: Workspace, prompt, **options):
 
 
 # ------------------------------------------------------------------------------------------------ the cases
+Prepare = Callable[[Workspace], Callable[[], object]]  # builds a bad input, returns the call that must fail
+
+
 @dataclass(frozen=True)
 class Bad:
-    """A bad input: `prepare` builds it in the workspace and returns the call that must fail."""
     id: str
-    prepare: Callable[[Workspace], Callable[[], object]]
+    prepare: Prepare
     error: type[A3BError]
     names: tuple[str, ...]  # must all appear in the message: the file, tensor, field or value at fault
     fix: bool = True  # False: the message names no fix yet (see test_message_names_a_fix)
@@ -183,7 +178,7 @@ def case(bad: Bad):
     return pytest.param(bad, id=bad.id)
 
 
-def load_after(name: str, change: Callable[[Path], None], **options) -> Callable[[Workspace], Callable[[], object]]:
+def load_after(name: str, change: Callable[[Path], None], **options) -> Prepare:
     """A fixture folder copied, changed by `change`, then loaded."""
     def prepare(ws: Workspace):
         folder = ws.copy(name)
@@ -196,21 +191,13 @@ def truncate(path: Path, keep: int) -> None:
     path.write_bytes(path.read_bytes()[:keep])
 
 
-def symlink_shard_outside(folder: Path) -> None:
-    outside = folder.parent / "elsewhere"
-    outside.mkdir()
-    shard = folder / BF16_SHARDS[2]
-    shutil.move(shard, outside / shard.name)
-    shard.symlink_to(outside / shard.name)
-
-
 def add_duplicate_shard(folder: Path) -> None:
     shutil.copy(folder / BF16_SHARDS[0], folder / "extra.safetensors")
     edit_json(folder / INDEX, lambda index: index["weight_map"].update({"extra.tensor": "extra.safetensors"}))
 
 
 def overlap_two_tensors(header: dict) -> None:
-    first, second = first_two_tensors(header)
+    first, second = sorted((n for n in header if n != "__metadata__"), key=lambda n: header[n]["data_offsets"][0])[:2]
     begin = header[first]["data_offsets"][0]
     size = header[second]["data_offsets"][1] - header[second]["data_offsets"][0]
     header[second]["data_offsets"] = [begin, begin + size]
@@ -249,15 +236,11 @@ def symlink_outside(file: str) -> Callable[[Path], None]:
     return change
 
 
-def bare_tokenizer(folder: Path) -> None:
-    BareTokenizer(tokenizer_models.BPE()).save(str(folder / "tokenizer.json"))
-
-
-def load_path(path: str) -> Callable[[Workspace], Callable[[], object]]:
+def load_path(path: str) -> Prepare:
     return lambda ws: lambda: ws.load(path)
 
 
-def load_option(**options) -> Callable[[Workspace], Callable[[], object]]:
+def load_option(**options) -> Prepare:
     return lambda ws: lambda: load_model(ws.fixtures.moe_hf, **({"preset": "cpu"} | options))
 
 
@@ -273,7 +256,7 @@ def dotdot_path(ws: Workspace):
     return lambda: ws.load("../..")
 
 
-def without_tokenizer(use: Callable[[object], object]) -> Callable[[Workspace], Callable[[], object]]:
+def without_tokenizer(use: Callable[[object], object]) -> Prepare:
     """The model loads without tokenizer.json; `use` is what then fails."""
     def prepare(ws: Workspace):
         folder = ws.copy("moe_hf")
@@ -285,12 +268,12 @@ def without_tokenizer(use: Callable[[object], object]) -> Callable[[Workspace], 
 
 def prompt_with_tokenizer_lacking_vision_tokens(ws: Workspace):
     folder = ws.copy("moe_hf")
-    bare_tokenizer(folder)
+    BareTokenizer(tokenizer_models.BPE()).save(str(folder / "tokenizer.json"))
     other = ws.load(folder)
     return lambda: other.build_prompt("Describe [[IMG]]", images=ws.square)
 
 
-def parse_text(**fields) -> Callable[[Workspace], Callable[[], object]]:
+def parse_text(**fields) -> Prepare:
     def prepare(ws: Workspace):
         raw = json.loads((ws.fixtures.moe_hf / "config.json").read_text())
         raw["text_config"].update(fields)
@@ -299,7 +282,7 @@ def parse_text(**fields) -> Callable[[Workspace], Callable[[], object]]:
 
 
 # --- images: each is a file written into the workspace, or an in-memory value, handed to model.encode_images
-def encode(make: Callable[[Path], object], **options) -> Callable[[Workspace], Callable[[], object]]:
+def encode(make: Callable[[Path], object], **options) -> Prepare:
     def prepare(ws: Workspace):
         images = make(ws.tmp)
         return lambda: ws.model.encode_images(images, **options)
@@ -327,11 +310,11 @@ def encode_on_text_model(ws: Workspace):
 
 
 # --- prompts and generation
-def prompt(user: str, with_image: bool = False, **options) -> Callable[[Workspace], Callable[[], object]]:
+def prompt(user: str, with_image: bool = False, **options) -> Prepare:
     return lambda ws: lambda: ws.model.build_prompt(user, images=ws.square if with_image else None, **options)
 
 
-def generate_with(**options) -> Callable[[Workspace], Callable[[], object]]:
+def generate_with(**options) -> Prepare:
     return lambda ws: lambda: generate(ws, ws.model.build_prompt("Describe the image."), **options)
 
 
@@ -358,7 +341,7 @@ CHECKPOINT_CASES = [
         "moe_fused_bf16", lambda f: (f / BF16_SHARDS[0]).write_bytes(
             struct.pack("<Q", 2**40) + (f / BF16_SHARDS[0]).read_bytes()[8:])),
         CheckpointError, (BF16_SHARDS[0], "header claims"))),
-    case(Bad("file-of-4-bytes", load_after("moe_hf", lambda f: (f / "model.safetensors").write_bytes(b"\x01\x02\x03\x04")),
+    case(Bad("file-of-4-bytes", load_after("moe_hf", lambda f: truncate(f / "model.safetensors", 4)),
              CheckpointError, ("model.safetensors", "too short"))),
     case(Bad("header-not-json", load_after("moe_fused_bf16", lambda f: replace_header_bytes(
         f / BF16_SHARDS[0], b"\xff\xfe" + b"x" * 200)), CheckpointError, (BF16_SHARDS[0], "not valid JSON"))),
@@ -386,7 +369,7 @@ CHECKPOINT_CASES = [
     bug(Bad("deeply-nested-index", load_after("moe_fused_bf16", lambda f: (f / INDEX).write_bytes(DEEP_JSON)),
             CheckpointError, (INDEX,)),
         "RecursionError from json.loads escapes find_weight_files"),
-    case(Bad("shard-symlinked-outside", load_after("moe_fused_bf16", symlink_shard_outside),
+    case(Bad("shard-symlinked-outside", load_after("moe_fused_bf16", symlink_outside(BF16_SHARDS[2])),
              CheckpointError, (BF16_SHARDS[2], "outside the model folder"))),
     case(Bad("tensor-in-two-shards", load_after("moe_fused_bf16", add_duplicate_shard),
              CheckpointError, ("extra.safetensors", BF16_SHARDS[0]))),
@@ -520,7 +503,7 @@ IMAGE_CASES = [
     case(Bad("image-int32-tensor", encode(lambda _: torch.zeros(1, 8, 8, 3, dtype=torch.int32)), ImageError,
              ("torch.int32",))),
     case(Bad("image-nan-tensor", encode(lambda _: torch.full((1, 8, 8, 3), float("nan"))), ImageError, ("NaN",))),
-    case(Bad("image-path-is-a-folder", encode(lambda folder: folder), ImageError, ("does not exist or is not a file",))),
+    case(Bad("image-path-is-a-folder", encode(lambda folder: folder), ImageError, ("is not a file",))),
     case(Bad("image-text-instead-of-path", encode(lambda _: "Describe this picture"), ImageError,
              ("Describe this picture",))),
     case(Bad("image-raw-bytes", encode(lambda _: png_header_only(8, 8)), ImageError, ("bytes",))),
@@ -608,3 +591,198 @@ def test_message_names_a_fix(ws, bad: Bad):
 def test_case_ids_are_distinct():
     ids = [bad.id for bad in _values(ALL_CASES)]
     assert len(set(ids)) == len(ids)
+
+
+# ------------------------------------------------------------------------------------------------ pickles, code
+class _MakesMarker:
+    """Unpickling this runs os.mkdir(path): proof that a file was unpickled."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.path),)
+
+
+def live_pickle(marker: Path, kind: str, path: Path) -> None:
+    """Writes a pickle (plain, or torch.save's zip) whose loading would create `marker`."""
+    if kind == "pickle":
+        path.write_bytes(pickle.dumps(_MakesMarker(marker)))
+    else:
+        torch.save(_MakesMarker(marker), path)
+
+
+def unpickle(kind: str, path: Path) -> None:
+    if kind == "pickle":
+        pickle.loads(path.read_bytes())
+    else:
+        with zipfile.ZipFile(path) as archive:
+            pickle.loads(archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl"))))
+
+
+@pytest.mark.parametrize("kind", ["pickle", "torch.save"])
+def test_the_pickles_used_here_are_live(tmp_path, kind):
+    """The payloads below really run code when unpickled, so their markers prove nothing unpickled them."""
+    live_pickle(tmp_path / "marker", kind, tmp_path / "payload")
+    unpickle(kind, tmp_path / "payload")
+    assert (tmp_path / "marker").is_dir()
+
+
+@pytest.mark.parametrize("kind", ["pickle", "torch.save"])
+@pytest.mark.parametrize("suffix", PICKLE_SUFFIXES)
+def test_pickle_weights_are_refused_and_never_unpickled(ws, kind, suffix):
+    folder = ws.copy("moe_hf")
+    (folder / "model.safetensors").unlink()
+    marker = ws.tmp / "unpickled"
+    live_pickle(marker, kind, folder / f"pytorch_model{suffix}")
+    with pytest.raises(CheckpointError) as info:
+        ws.load(folder)
+    assert f"pytorch_model{suffix}" in str(info.value) and FIX.search(str(info.value))
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("file, error", [("model.safetensors", CheckpointError), ("config.json", ConfigError),
+                                         ("tokenizer.json", CheckpointError)])
+def test_pickle_under_a_safe_name_is_refused_and_never_unpickled(ws, file, error):
+    folder = ws.copy("moe_hf")
+    marker = ws.tmp / "unpickled"
+    live_pickle(marker, "pickle", folder / file)
+    with pytest.raises(error) as info:
+        ws.load(folder)
+    assert file in str(info.value)
+    assert not marker.exists()
+
+
+def test_pickle_beside_safetensors_is_ignored(ws):
+    folder = ws.copy("moe_hf")
+    marker = ws.tmp / "unpickled"
+    live_pickle(marker, "torch.save", folder / "pytorch_model.bin")
+    live_pickle(marker, "pickle", folder / "training_args.bin")
+    model = ws.load(folder)
+    assert model.generate([1, 2, 3], max_new_tokens=2, temperature=0).token_ids
+    assert not marker.exists()
+
+
+def test_code_in_a_model_folder_never_runs(ws):
+    """Remote-code releases ship modeling_*.py and point config.json's auto_map at it; none of it may run."""
+    folder = ws.copy("moe_hf")
+    marker = ws.tmp / "imported"
+    for name in ("modeling_qwen3_5_moe.py", "configuration_qwen3_5_moe.py", "tokenization_qwen3_5.py", "__init__.py"):
+        (folder / name).write_text(f"import os\nos.mkdir({str(marker)!r})\n")
+    auto_map = {"AutoConfig": "configuration_qwen3_5_moe.Config", "AutoModel": "modeling_qwen3_5_moe.Model"}
+    edit_json(folder / "config.json", lambda c: c.update(auto_map=auto_map, trust_remote_code=True))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"auto_map": {"AutoTokenizer": [
+        "tokenization_qwen3_5.Tokenizer", None]}}))
+    model = ws.load(folder)
+    result = model.generate(model.build_prompt("Describe [[IMG]]", images=model.encode_images(shapes_image())),
+                            max_new_tokens=2, temperature=0)
+    assert result.token_ids
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------------------------ odd but valid
+def solid(colour: str, size: tuple[int, int] = (48, 32)) -> Image.Image:
+    return Image.new("RGB", size, colour)
+
+
+def odd_image(kind: str, folder: Path):
+    """An unusual but valid image: each must encode like any other."""
+    path = folder / f"{kind}.img"
+    if kind == "1x1":
+        solid("red", (1, 1)).save(path, format="PNG")
+    elif kind == "1x300":
+        solid("red", (1, 300)).save(path, format="PNG")
+    elif kind == "16-bit-grey":
+        Image.fromarray(np.linspace(0, 65535, 48 * 32).reshape(32, 48).astype(np.uint16)).save(path, format="PNG")
+    elif kind == "cmyk-jpeg":
+        solid("red").convert("CMYK").save(path, format="JPEG")
+    elif kind == "palette-with-transparency":
+        img = solid("red").convert("P")
+        img.info["transparency"] = 0
+        img.save(path, format="PNG", transparency=0)
+    elif kind == "grey-with-alpha":
+        Image.new("LA", (48, 32), (128, 100)).save(path, format="PNG")
+    elif kind == "webp":
+        shapes_image().save(path, format="WEBP")
+    elif kind == "comfyui-half-tensor":
+        return torch.rand(1, 32, 48, 3).half()
+    return path
+
+
+@pytest.mark.parametrize("kind", ["1x1", "1x300", "16-bit-grey", "cmyk-jpeg", "palette-with-transparency",
+                                  "grey-with-alpha", "webp", "comfyui-half-tensor"])
+def test_odd_but_valid_images_encode(ws, kind):
+    encoded = ws.model.encode_images(odd_image(kind, ws.tmp))
+    assert encoded.grids == [(1, 24, 24)] and encoded.token_counts == [144]
+    assert torch.isfinite(encoded.embeds[0]).all()
+
+
+def test_tiny_image_in_native_mode_is_scaled_up_to_the_minimum(ws):
+    encoded = ws.model.encode_images(odd_image("1x1", ws.tmp), resize="native")
+    assert encoded.grids == [(1, 16, 16)]  # 256x256, the processor's minimum pixel count
+
+
+def test_animated_image_encodes_its_first_frame(ws):
+    path = ws.tmp / "anim.gif"
+    solid("red").save(path, format="GIF", save_all=True, append_images=[solid("blue"), solid("lime")], duration=50)
+    encoded = ws.model.encode_images(path)
+    assert len(encoded) == 1
+    assert torch.equal(encoded.embeds[0], ws.model.encode_images(solid("red")).embeds[0])
+
+
+@pytest.mark.parametrize("user", ["[[IMG", "IMG]]", "[[img]]", "[[ IMG ]]", "[IMG]"])
+def test_marker_lookalikes_are_plain_text(ws, user):
+    built = ws.model.build_prompt(user, images=ws.square)
+    pads = [i for i in built.input_ids if i == ws.model.config.image_token_id]
+    assert len(pads) == 144  # the image goes before the text, which is kept as written
+    assert user in built.prompt.text
+
+
+@pytest.mark.parametrize("user", ["a\0b", "tab\tand\rreturn", "\u202eright-to-left", "emoji 🙂 " * 50])
+def test_unusual_characters_are_text(ws, user):
+    result = ws.model.generate(ws.model.build_prompt(user), max_new_tokens=2, temperature=0)
+    assert len(result.token_ids) == 2
+
+
+def test_symlinked_model_folder_loads(ws):
+    """Models kept on another disk and linked into models/LLM must work (only links out of the folder are refused)."""
+    link = ws.tmp / "LLM" / "linked"
+    link.parent.mkdir()
+    link.symlink_to(ws.copy("moe_fused_bf16"), target_is_directory=True)
+    assert ws.load(link).generate([1, 2, 3], max_new_tokens=2, temperature=0).token_ids
+
+
+def test_folder_without_optional_files_works(ws):
+    """Only config.json, tokenizer.json and the weights are needed: no generation_config, preprocessor_config or
+    chat template (the template is written in Python)."""
+    folder = ws.copy("moe_hf")
+    for name in ("generation_config.json", "preprocessor_config.json", "chat_template.jinja"):
+        (folder / name).unlink(missing_ok=True)
+    model = ws.load(folder)
+    prompt = model.build_prompt("Describe [[IMG]]", images=model.encode_images(shapes_image()))
+    assert model.generate(prompt, max_new_tokens=2, temperature=0).token_ids
+
+
+# ------------------------------------------------------------------------------------------------ expert cache
+def test_failed_conversion_leaves_only_complete_cache_files(ws):
+    folder = ws.copy("moe_hf")
+    broken = "model.language_model.layers.2.mlp.experts.3.down_proj.weight"
+    retype_tensor(folder / "model.safetensors", broken, lambda _: torch.zeros(5, 5))
+    with pytest.raises(CheckpointError) as info:
+        ws.load(folder, weight_format="int8")
+    assert broken in str(info.value)
+    cached = [p for p in (ws.tmp / "cache").rglob("*") if p.is_file()]
+    assert not [p for p in cached if p.suffix != ".safetensors"]  # no temporary files
+    for path in cached:
+        read_header(path)  # each one complete
+
+
+@pytest.mark.xfail(strict=True, reason="a corrupt cached layer raises safetensors' SafetensorError from load_file "
+                                       "instead of being converted again")
+def test_corrupt_expert_cache_is_rebuilt(ws):
+    folder = ws.copy("moe_hf")
+    reference = ws.load(folder, weight_format="int8").logits([[1, 2, 3]])
+    layer = next((ws.tmp / "cache").rglob("layer0.safetensors"))
+    truncate(layer, 100)
+    assert torch.equal(ws.load(folder, weight_format="int8").logits([[1, 2, 3]]), reference)
+    read_header(layer)
