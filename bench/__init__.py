@@ -1,0 +1,1 @@
+"""Benchmarks of the engine against transformers and llama.cpp (run by hand: python bench/speed.py)."""

@@ -1,0 +1,242 @@
+"""Decode and prefill speed, peak memory and the memory roofline: our engine vs transformers vs llama.cpp.
+
+    nice -n 10 python bench/speed.py                 # everything (about an hour on 2 cores)
+    python bench/speed.py --no-llama --no-transformers --quick
+    python bench/speed.py --profile --ours bf16      # torch.profiler's top ops of our decode
+
+All systems run the same random-weight checkpoint (bench_model.py: Qwen3.5-MoE text, 1.8 B parameters, 64 experts
+top-8) on the same thread count, each measurement in its own process (so peak RSS is that system's), in rounds that
+interleave the systems (A, B, C, A, B, C, ...) so that the machine's speed swings hit all of them alike. Reported:
+medians over the rounds, the largest peak RSS, and ratios between every system of ours and every other system.
+Decode: `--decode` greedy tokens at batch 1 from a 1-token prompt; prefill: one `--prefill`-token prompt; llama.cpp
+runs llama-bench's pp/tg tests with the same sizes. Roofline: the weight bytes a decoded token reads divided by the
+memory bandwidth measured here (1 GiB fp32 sum, best of every round); '% roofline' is decode / that bound.
+Outputs (checkpoint, GGUF files, llama.cpp build, converted experts, results JSON) go to $A3B_BENCH_DIR
+(default ~/.cache/a3b-bench).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))  # the repository root: bench.*, a3b_core
+
+from bench import llama  # noqa: E402
+from bench.bench_model import bench_dir, checkpoint_folder, text_config  # noqa: E402
+from bench.roofline import gguf_bytes_per_token  # noqa: E402
+
+DEMO_MODEL = HERE.parent / "a3b_core" / "demo" / "a3b-demo" / "config.json"
+COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
+DEFAULT_OURS = "fp32,bf16,bf16+fp8,bf16+int8,bf16+int4"
+GB = 1e9
+
+
+@dataclass
+class System:
+    name: str
+    command: list[str]
+    parse: object  # stdout -> dict of measurements
+    weight_bytes_per_token: int | None = None
+    runs: list[dict] = field(default_factory=list)
+
+    def peak_rss(self) -> int:
+        return max(r["peak_rss_bytes"] for r in self.runs)
+
+    def median(self, key: str) -> float | None:
+        values = [r[key] for r in self.runs if r.get(key) is not None]
+        return statistics.median(values) if values else None
+
+
+def worker_result(stdout: str) -> dict:
+    lines = [line for line in stdout.splitlines() if line.startswith("RESULT ")]
+    if not lines:
+        raise RuntimeError("the worker printed no RESULT line")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def run_child(command: list[str], env: dict) -> tuple[str, int]:
+    """Runs one measurement process; returns its stdout and its own peak RSS in bytes, from wait4 (so tools that
+    cannot report it, like llama-bench, are measured the same way; Popen.wait would discard it)."""
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen(command, stdout=stdout, stderr=stderr, text=True, env=env)
+        _, status, usage = os.wait4(process.pid, 0)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        stdout.seek(0)
+        stderr.seek(0)
+        if process.returncode != 0:
+            raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}):\n{stderr.read()[-3000:]}")
+        return stdout.read(), usage.ru_maxrss * 1024  # Linux reports KiB
+
+
+def ours_spec(spec: str) -> tuple[str, str]:
+    """'bf16+int4' -> (compute dtype, routed-expert format); 'fp32' -> ('float32', 'fp32'). fp8 means the
+    checkpoint's own FP8 experts (the FP8-layout copy of the bench model)."""
+    compute, _, experts = spec.partition("+")
+    if compute not in COMPUTE_DTYPES or experts not in ("", "fp32", "bf16", "fp8", "int8", "int4"):
+        raise SystemExit(f"--ours {spec!r}: expected a compute dtype ({', '.join(COMPUTE_DTYPES)}), optionally "
+                         "followed by +fp8, +int8, +int4, +bf16 or +fp32 for the routed experts (e.g. bf16+int4).")
+    return COMPUTE_DTYPES[compute], experts or compute
+
+
+def ours_command(args, spec: str, mode: str, *options: str) -> list[str]:
+    dtype, experts = ours_spec(spec)
+    model_dir = checkpoint_folder(args.small, fp8=experts == "fp8")
+    return worker(args.threads, mode, "--model", str(model_dir), "--dtype", dtype, "--format", experts, *options)
+
+
+def worker(threads: int, *args: str) -> list[str]:
+    return [sys.executable, str(HERE / "worker.py"), *args, "--threads", str(threads)]
+
+
+def build_systems(args, model_dir: Path) -> list[System]:
+    sizes = ["--prefill", str(args.prefill), "--decode", str(args.decode)]
+    systems = []
+    for spec in args.ours.split(","):
+        systems.append(System(f"ours {spec}", ours_command(args, spec, "ours", *sizes), worker_result))
+    if not args.no_transformers:
+        for name in ("fp32", "bf16"):
+            command = worker(args.threads, "transformers", "--model", str(model_dir), "--dtype",
+                             COMPUTE_DTYPES[name], *sizes)
+            systems.append(System(f"transformers {name}", command, worker_result))
+    if not args.no_llama:
+        tree = llama.llama_tree(args.llama_cpp, args.build_jobs)
+        cfg = text_config(args.small)
+        for kind, path in llama.gguf_files(tree, model_dir, args.llama_types.split(","), args.threads).items():
+            per_token = gguf_bytes_per_token(llama.gguf_tensor_bytes(tree, path), cfg["num_experts_per_tok"],
+                                             cfg["num_experts"], cfg["vocab_size"])
+            systems.append(System(f"llama.cpp {kind.upper()}", llama.bench_command(
+                tree, path, args.prefill, args.decode, args.threads), llama.parse_bench, per_token))
+    if args.no_image:
+        print("[bench] image TTFT skipped (--no-image)")
+    elif DEMO_MODEL.is_file():
+        command = worker(args.threads, "image-ttft", "--dtype", "float32")
+        systems.append(System("ours image TTFT (demo, fp32)", command, worker_result))
+    else:
+        print(f"[bench] image TTFT skipped: the demo model {DEMO_MODEL.parent} does not exist yet")
+    return systems
+
+
+def run_rounds(systems: list[System], rounds: int, threads: int, env: dict) -> list[float]:
+    bandwidths = []
+    for round_number in range(1, rounds + 1):
+        bandwidths.append(worker_result(run_child(worker(threads, "bandwidth"), env)[0])["bandwidth_bytes_s"])
+        print(f"[bench] round {round_number}/{rounds}: bandwidth {bandwidths[-1] / GB:.1f} GB/s", flush=True)
+        for system in systems:
+            started = time.perf_counter()
+            stdout, peak = run_child(system.command, env)
+            result = system.parse(stdout) | {"peak_rss_bytes": peak}
+            system.runs.append(result)
+            if system.weight_bytes_per_token is None:
+                system.weight_bytes_per_token = result.get("weight_bytes_per_token")
+            shown = {k: round(v, 3) for k, v in result.items() if isinstance(v, float)}
+            print(f"[bench]   {system.name}: {shown} peak {peak / GB:.2f} GB ({time.perf_counter() - started:.0f} s)",
+                  flush=True)
+    return bandwidths
+
+
+# ------------------------------------------------------------------------------------------------- the report
+def fmt(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def engine_version() -> str:
+    """The commit our engine ran from, marked when the working tree differs from it."""
+    def git(*command: str) -> str:
+        return subprocess.run(["git", "-C", str(HERE.parent), *command], capture_output=True, text=True).stdout.strip()
+    dirty = git("status", "--porcelain", "--", "a3b_core")
+    return f"{git('rev-parse', '--short', 'HEAD') or 'unknown'}{' + uncommitted a3b_core changes' if dirty else ''}"
+
+
+def report(systems: list[System], bandwidth: float, heading: str, args) -> str:
+    timed = [s for s in systems if s.median("decode_tok_s") is not None]
+    lines = [f"{heading}; threads {args.threads}, {args.rounds} rounds (medians; peak RSS: the largest), prefill "
+             f"{args.prefill} tokens, decode {args.decode} tokens at batch 1 greedy; memory bandwidth "
+             f"{bandwidth / GB:.1f} GB/s (best 1 GiB fp32 read of all rounds)", "",
+             "| system | decode tok/s | prefill tok/s | prefill time s | peak RSS GB | load s | weight GB/token "
+             "| roofline tok/s | % of roofline |", "|---|---|---|---|---|---|---|---|---|"]
+    for s in timed:
+        decode, prefill, per_token = s.median("decode_tok_s"), s.median("prefill_tok_s"), s.weight_bytes_per_token
+        roof = bandwidth / per_token if per_token else None
+        lines.append(f"| {s.name} | {fmt(decode)} | {fmt(prefill, 1)} | {fmt(args.prefill / prefill)} "
+                     f"| {fmt(s.peak_rss() / GB)} | {fmt(s.median('load_s'), 1)} "
+                     f"| {fmt(per_token / GB if per_token else None, 3)} | {fmt(roof, 1)} "
+                     f"| {fmt(100 * decode / roof if roof else None, 0)}% |")
+    for s in systems:
+        if s.median("image_ttft_s") is not None:
+            lines += ["", f"{s.name}: time to first token {s.median('image_ttft_s'):.2f} s for one 384x384 image "
+                          f"({s.runs[0]['image_tokens']} image tokens) + {s.runs[0]['text_tokens']} text tokens, "
+                          f"peak RSS {s.peak_rss() / GB:.2f} GB"]
+    ratios = (("decode speed", lambda s: s.median("decode_tok_s"), "faster"),
+              ("prefill speed", lambda s: s.median("prefill_tok_s"), "faster"),
+              ("peak RSS", System.peak_rss, "larger"))
+    for title, value, more in ratios:
+        lines += ["", f"{title}, row / column (>1: the row is {more}):", "",
+                  "| row \\ column | " + " | ".join(o.name for o in timed) + " |", "|---|" + "---|" * len(timed)]
+        for s in timed:
+            if s.name.startswith("ours"):
+                lines.append(f"| {s.name} | " + " | ".join(fmt(value(s) / value(o)) for o in timed) + " |")
+    return "\n".join(lines)
+
+
+def profile(args, env: dict) -> None:
+    for spec in args.ours.split(","):
+        subprocess.run(ours_command(args, spec, "profile", "--decode", str(args.profile_steps), "--top",
+                                    str(args.top)), check=True, env=env)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians need 3 or more")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="a 128-token prompt and 32 new tokens")
+    parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp (and its build)")
+    parser.add_argument("--no-transformers", action="store_true", help="skip transformers")
+    parser.add_argument("--no-image", action="store_true", help="skip the demo model's image TTFT")
+    parser.add_argument("--ours", default=DEFAULT_OURS,
+                        help=f"our configurations, COMPUTE[+EXPERTS] comma-separated (default {DEFAULT_OURS})")
+    parser.add_argument("--llama-types", default="bf16,q8_0", help="GGUF types for llama.cpp (bf16, q8_0, q4_0, f32)")
+    parser.add_argument("--llama-cpp", type=Path, default=os.environ.get("A3B_LLAMA_CPP"),
+                        help="an already built llama.cpp tree (build/bin/llama-bench); default $A3B_LLAMA_CPP, else "
+                             "the bench cache's own build")
+    parser.add_argument("--build-jobs", type=int, default=2, help="parallel jobs for the llama.cpp build")
+    parser.add_argument("--small", action="store_true",
+                        help="a 4-layer stand-in model: checks the bench end to end in minutes (numbers meaningless)")
+    parser.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of our decode instead")
+    parser.add_argument("--profile-steps", type=int, default=16)
+    parser.add_argument("--top", type=int, default=25, help="profile: rows per table")
+    args = parser.parse_args()
+    args.prefill, args.decode = (128, 32) if args.quick else (512, 128)
+    if args.llama_cpp is not None:
+        args.llama_cpp = Path(args.llama_cpp).expanduser().resolve()
+
+    env = os.environ | {"OMP_NUM_THREADS": str(args.threads),
+                        "A3B_CACHE_DIR": os.environ.get("A3B_CACHE_DIR", str(bench_dir() / "a3b-cache"))}
+    if args.profile:
+        profile(args, env)
+        return
+    model_dir = checkpoint_folder(args.small)
+    if args.rounds < 3:
+        print("[bench] note: fewer than 3 rounds; the medians are not the reported kind")
+    heading = f"model {model_dir.name}, engine {engine_version()} at the start"
+    systems = build_systems(args, model_dir)
+    bandwidths = run_rounds(systems, args.rounds, args.threads, env)
+    table = report(systems, max(bandwidths), heading, args)
+    print("\n" + table)
+    out = bench_dir() / f"speed-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "bandwidths": bandwidths,
+                               "systems": [{"name": s.name, "weight_bytes_per_token": s.weight_bytes_per_token,
+                                            "runs": s.runs} for s in systems], "table": table}, indent=1))
+    print(f"\n[bench] raw results: {out}")
+
+
+if __name__ == "__main__":
+    main()
