@@ -1,6 +1,8 @@
 """A3B Save Captions."""
 from __future__ import annotations
 
+from a3b_core.errors import ConfigError
+
 from . import comfy_bridge as bridge
 from .captions import caption_stems, caption_text, confined_folder, write_text_atomic
 from .comfy_bridge import io
@@ -44,6 +46,8 @@ class A3BSaveCaptions(io.ComfyNode):
     @classmethod
     def execute(cls, captions: list[str], subfolder: list[str], names: list[str], filename_prefix: list[str],
                 trigger_word: list[str], if_exists: list[str]) -> io.NodeOutput:
+        if if_exists[0] not in IF_EXISTS:  # ComfyUI 0.3.75 does not check V3 combo values itself
+            raise ConfigError(f"if_exists is {if_exists[0]!r}; expected one of {IF_EXISTS}.")
         folder = confined_folder(bridge.output_directory(), subfolder[0])
         stems = caption_stems(names[0], len(captions), filename_prefix[0])
         lines = []

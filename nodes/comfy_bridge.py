@@ -53,6 +53,12 @@ def send_text(node_id: str | None, text: str) -> None:
         PromptServer.instance.send_progress_text(text, node_id)
 
 
+def send_event(event: str, data: dict) -> None:
+    """A custom websocket message for web/js/a3b.js (which listens with api.addEventListener)."""
+    if IN_COMFYUI and PromptServer.instance is not None:
+        PromptServer.instance.send_sync(event, data)
+
+
 def processing_interrupted() -> bool:
     """True once the user pressed Stop (or POST /interrupt); polled by the engine between tokens."""
     return IN_COMFYUI and model_management.processing_interrupted()

@@ -31,8 +31,10 @@ class A3BModelHandle:
     `acquire` then loads it again with the same settings, so a cached Loader output never dangles.
     """
 
-    def __init__(self, path: str, preset: str, load_options: dict[str, Any], keep_loaded: bool):
+    def __init__(self, path: str, preset: str, load_options: dict[str, Any], keep_loaded: bool,
+                 loader_node: str | None = None):
         self.path = path
+        self.loader_node = loader_node  # the Loader node that made this handle, where the plan is shown
         self.preset = preset
         self.load_options = load_options
         self.keep_loaded = keep_loaded
@@ -51,6 +53,9 @@ class A3BModelHandle:
             self._load(progress)
         if self._residency is not None:
             bridge.keep_resident(self._residency)
+        # Shown on the Loader even when ComfyUI served the Loader from its cache (cached nodes send no output).
+        bridge.send_event("a3b.plan", {"node": self.loader_node, "summary": self.plan_summary,
+                                       "table": self.plan_table})
         return self._model
 
     def _load(self, progress: Callable[[int, int], None] | None) -> None:

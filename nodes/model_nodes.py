@@ -41,6 +41,7 @@ class A3BModelLoader(io.ComfyNode):
             ],
             outputs=[ModelWire.Output(display_name="model", tooltip="The loaded model, for Image Encode and "
                                                                    "Generate.")],
+            hidden=[io.Hidden.unique_id],
         )
 
     @classmethod
@@ -48,7 +49,7 @@ class A3BModelLoader(io.ComfyNode):
                 keep_loaded: bool) -> io.NodeOutput:
         path = resolve_model(model, bridge.llm_roots())
         options = {"weight_format": weight_format, "kv_cache": kv_cache, "max_context": max_context or None}
-        handle = A3BModelHandle(path, vram_preset, options, keep_loaded)
+        handle = A3BModelHandle(path, vram_preset, options, keep_loaded, loader_node=cls.hidden.unique_id)
         progress = bridge.Progress(1)
         handle.acquire(progress=lambda done, total: progress.set(done, total))
         return io.NodeOutput(handle, ui={"a3b_plan": [handle.plan_summary], "a3b_plan_table": [handle.plan_table]})

@@ -68,6 +68,8 @@ async function check(url, outDir, overrides, run, workflowPaths) {
     report.workflows.push(entry);
     if (run) {
       Object.assign(entry, await runLoadedWorkflow(url, page, apiPrompt));
+      await page.evaluate(() => window.app.extensionManager.command.execute("Comfy.Canvas.FitView"));
+      await page.waitForTimeout(300);
       entry.screenshot = path.join(outDir, `${name}.png`);
       await page.screenshot({ path: entry.screenshot });
     }
@@ -131,6 +133,7 @@ async function build(url, workflowsDir, specsFile) {
         if (slot < 0) throw new Error(`${target.type} has no input ${toInput}`);
         nodes[fromKey].connect(fromSlot, target, slot);
       }
+      await app.extensionManager.command.execute("Comfy.Canvas.FitView"); // the saved view frames the graph
       const { output } = await app.graphToPrompt();
       return { ui: app.graph.serialize(), api: output };
     }, spec);

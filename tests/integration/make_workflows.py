@@ -59,13 +59,14 @@ def _batched(names: list[str], x: int, y: int) -> tuple[dict, list]:
 
 
 def _captioning(names: list[str], system: str, user: str, size: int, captions: dict) -> dict:
-    image_nodes, image_links, batch = _batched(names, 40 + 250 * len(names), 420)
+    # Row 1: loader, prompt, generate, save. Row 2, below the tall Generate node: images, batching, encoding.
+    image_nodes, image_links, batch = _batched(names, 40 + 250 * len(names), 820)
     x = 300 + 250 * len(names)
     return {
         "nodes": {
             "loader": _LOADER,
             **image_nodes,
-            "encode": {"type": "A3BImageEncode", "pos": [x, 420], "size": [300, 200],
+            "encode": {"type": "A3BImageEncode", "pos": [x, 820], "size": [300, 200],
                        "widgets": {"size": size, "resize": "stretch"}},
             "prompt": {"type": "A3BPrompt", "pos": [410, 60], "size": [440, 320],
                        "widgets": {"system": system, "user": user, "thinking": False}},

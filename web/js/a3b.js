@@ -1,6 +1,7 @@
 // A3B nodes: shows the Loader's placement plan, the Generate node's answer (live while it streams) and what
-// Save Captions wrote. The server sends the live text as ComfyUI "progress_text" messages and the rest as the
-// nodes' ui outputs (a3b_plan, a3b_answer, a3b_saved).
+// Save Captions wrote. The server sends the live text as ComfyUI "progress_text" messages, the plan as an
+// "a3b.plan" message each time a node uses the model (a cached Loader sends nothing itself), and the rest as the
+// nodes' ui outputs (a3b_answer, a3b_saved).
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 
@@ -55,23 +56,27 @@ function onLiveText(event) {
   }, 0);
 }
 
+function onPlan(event) {
+  const { node: nodeId, summary, table } = event.detail ?? {};
+  const node = app.graph?.getNodeById(nodeId);
+  if (node?.comfyClass !== "A3BModelLoader") return;
+  showText(node, "a3b_plan", summary, 3);
+  textPanel(node, "a3b_plan", 3).a3bElement.title = table; // the full placement table on hover
+}
+
 app.registerExtension({
   name: "a3b.nodes",
 
   setup() {
     api.addEventListener("progress_text", onLiveText);
+    api.addEventListener("a3b.plan", onPlan);
   },
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!["A3BModelLoader", "A3BGenerate", "A3BSaveCaptions"].includes(nodeData.name)) return;
+    if (!["A3BGenerate", "A3BSaveCaptions"].includes(nodeData.name)) return;
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
-      if (message?.a3b_plan) {
-        showText(this, "a3b_plan", message.a3b_plan.join("\n"), 3);
-        // the full placement table on hover
-        textPanel(this, "a3b_plan", 3).a3bElement.title = message.a3b_plan_table?.join("\n") ?? "";
-      }
       if (message?.a3b_answer) showAnswer(this, message.a3b_answer.join("\n\n"));
       if (message?.a3b_saved) showText(this, "a3b_saved", message.a3b_saved.join("\n"), 4);
     };

@@ -1,0 +1,120 @@
+"""The shipped API workflows, Stop, bad input and memory release, in a real ComfyUI."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from tests.integration.comfy_server import ComfyServer
+from tests.integration.conftest import BROKEN_MODEL, TEST_MAX_NEW_TOKENS, error_message, load_api_workflow
+
+pytestmark = pytest.mark.comfyui
+
+WORKFLOW_NAMES = ["comic_storyboard", "multi_angle_captioning", "pixel_art_lora_captioning"]
+
+
+def _nodes(graph: dict, class_type: str) -> list[str]:
+    return [node_id for node_id, node in graph.items() if node["class_type"] == class_type]
+
+
+def _set_inputs(graph: dict, class_type: str, **inputs) -> dict:
+    graph = copy.deepcopy(graph)
+    for node_id in _nodes(graph, class_type):
+        graph[node_id]["inputs"].update(inputs)
+    return graph
+
+
+def _succeeded(comfy: ComfyServer, entry: dict) -> None:
+    assert entry["status"]["status_str"] == "success", f"{error_message(entry)}\n{comfy.log_tail()}"
+
+
+@pytest.mark.parametrize("name", WORKFLOW_NAMES)
+def test_api_workflow_runs_to_non_empty_answers(comfy: ComfyServer, name: str) -> None:
+    graph = _set_inputs(load_api_workflow(name), "A3BGenerate", max_new_tokens=TEST_MAX_NEW_TOKENS)
+    entry = comfy.run(graph)
+    _succeeded(comfy, entry)
+    (generate,) = _nodes(graph, "A3BGenerate")
+    answers = entry["outputs"][generate]["a3b_answer"]
+    images = sum(1 for node in graph.values() if node["class_type"] == "LoadImage")
+    assert len(answers) == max(images, 1)
+    assert all(answer.strip() for answer in answers)
+    for save in _nodes(graph, "A3BSaveCaptions"):
+        inputs = graph[save]["inputs"]
+        folder = comfy.output_dir / inputs["subfolder"]
+        stems = [line.rsplit(".", 1)[0] for line in inputs["names"].splitlines()]
+        assert sorted(path.stem for path in folder.glob("*.txt")) == sorted(stems)
+        prefix = f"{inputs['trigger_word']}, " if inputs["trigger_word"] else ""
+        assert all((folder / f"{stem}.txt").read_text().startswith(prefix) for stem in stems)
+
+
+def test_the_answer_streams_onto_the_generate_node(comfy: ComfyServer) -> None:
+    graph = _set_inputs(load_api_workflow("comic_storyboard"), "A3BGenerate", seed=11, max_new_tokens=64)
+    entry, live = comfy.run_watching(graph)
+    _succeeded(comfy, entry)
+    (generate,) = _nodes(graph, "A3BGenerate")
+    texts = [text for node_id, text in live if node_id == generate]
+    assert texts, "no live text was sent for the Generate node"
+    assert texts[-1] == entry["outputs"][generate]["a3b_answer"][0]
+
+
+def test_stop_ends_a_long_generation_and_the_next_prompt_still_runs(comfy: ComfyServer) -> None:
+    # Greedy decoding of the tiny test model meets its end token only after ~400 tokens (seconds of decoding), long
+    # after the interrupt, which is sent as soon as the first token has streamed.
+    graph = _set_inputs(load_api_workflow("comic_storyboard"), "A3BGenerate", max_new_tokens=20000, temperature=0.0,
+                        presence_penalty=0.0, seed=21)
+    (generate,) = _nodes(graph, "A3BGenerate")
+    entry, live = comfy.run_watching(graph, interrupt_after_text_from=generate)
+    kinds = [kind for kind, _ in entry["status"]["messages"]]
+    assert "execution_interrupted" in kinds, f"the generation was not interrupted: {kinds}"
+    assert generate not in entry["outputs"]
+    assert any(node_id == generate for node_id, _ in live)
+
+    after = comfy.run(_set_inputs(graph, "A3BGenerate", max_new_tokens=16))
+    _succeeded(comfy, after)
+    assert after["outputs"][generate]["a3b_answer"][0].strip()
+
+
+def test_a_model_folder_without_weights_fails_with_the_engines_message(comfy: ComfyServer) -> None:
+    entry = comfy.run(load_api_workflow("comic_storyboard", model=BROKEN_MODEL))
+    assert entry["status"]["status_str"] == "error"
+    message = error_message(entry)
+    assert message.startswith("a3b_core.errors.CheckpointError: ") and BROKEN_MODEL in message, message
+
+
+@pytest.mark.parametrize("name", ["../outside", "/etc"])
+def test_a_model_name_outside_the_llm_folders_is_refused(comfy: ComfyServer, name: str) -> None:
+    # ComfyUI 0.3.75 does not check V3 combo values against their options, so the node itself must refuse.
+    entry = comfy.run(load_api_workflow("comic_storyboard", model=name))
+    assert entry["status"]["status_str"] == "error"
+    message = error_message(entry)
+    assert message.startswith("a3b_core.errors.ConfigError: ") and "not a folder name under models/LLM" in message
+
+
+def test_an_image_marker_mismatch_fails_with_the_engines_message(comfy: ComfyServer) -> None:
+    graph = _set_inputs(load_api_workflow("multi_angle_captioning"), "A3BPrompt",
+                        user="Compare [[IMG]] with [[IMG]].")
+    entry = comfy.run(graph)
+    assert entry["status"]["status_str"] == "error"
+    message = error_message(entry)
+    assert "PromptError" in message and "[[IMG]]" in message, message
+
+
+def test_comfyui_unload_releases_the_model_and_the_next_run_reloads_it(comfy: ComfyServer) -> None:
+    graph = _set_inputs(load_api_workflow("comic_storyboard"), "A3BGenerate", seed=31, max_new_tokens=8)
+    _succeeded(comfy, comfy.run(graph))
+    released_before = comfy.log_text().count("A3B model released")
+    status, _ = comfy.request("POST", "/free", {"unload_models": True})
+    assert status == 200
+    comfy.wait_for_log("A3B model released", occurrences=released_before + 1)
+
+    loaded_before = comfy.log_text().count("A3B model loaded")
+    _succeeded(comfy, comfy.run(_set_inputs(graph, "A3BGenerate", seed=32)))
+    assert comfy.log_text().count("A3B model loaded") == loaded_before + 1
+
+
+def test_keep_loaded_off_frees_the_model_after_each_generation(comfy: ComfyServer) -> None:
+    graph = _set_inputs(load_api_workflow("comic_storyboard"), "A3BModelLoader", keep_loaded=False)
+    graph = _set_inputs(graph, "A3BGenerate", seed=41, max_new_tokens=8)
+    released_before = comfy.log_text().count("A3B model released")
+    _succeeded(comfy, comfy.run(graph))
+    assert comfy.log_text().count("A3B model released") == released_before + 1
