@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .config import inside_folder
 from .errors import CheckpointError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -55,7 +56,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path}: cannot be read ({exc}). Check the file exists and is readable.") from exc
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise CheckpointError(f"{path}: header is not valid JSON ({exc}); the file is corrupt. Download it again.") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object; the file is corrupt. Download it again.")
@@ -84,7 +85,8 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int, data_len
     dtype = DTYPES.get(entry.get("dtype"))
     if dtype is None:
         raise CheckpointError(f"{path}: tensor '{name}' has dtype {entry.get('dtype')!r}, which is not supported "
-                              f"(expected one of {', '.join(DTYPES)}).")
+                              f"(expected one of {', '.join(DTYPES)}). Use the model's original safetensors release "
+                              "(GGUF-style quantisations are not read).")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if (not isinstance(shape, list) or not all(isinstance(d, int) and 0 <= d < 2**40 for d in shape)
             or not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)):
@@ -100,14 +102,6 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int, data_len
     return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, nbytes)
 
 
-def _inside(folder: Path, path: Path) -> Path:
-    resolved = path.resolve()
-    if not resolved.is_relative_to(folder.resolve()):
-        raise CheckpointError(f"{path}: points outside the model folder {folder} (to {resolved}). Copy the file into "
-                              "the folder instead of linking to it.")
-    return resolved
-
-
 def find_weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a model folder, from the index when there is one."""
     index = folder / INDEX_NAME
@@ -115,22 +109,24 @@ def find_weight_files(folder: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as exc:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError,
+                AttributeError) as exc:
             raise CheckpointError(f"{index}: cannot be read as a safetensors index ({exc!r}). "
                                   "Download it again.") from exc
         files = []
         for name in names:
             if not isinstance(name, str) or "/" in name or "\\" in name or name.startswith("."):
-                raise CheckpointError(f"{index}: lists the shard {name!r}, which is not a plain file name.")
+                raise CheckpointError(f"{index}: lists the shard {name!r}, which is not a plain file name inside the "
+                                      "model folder. Use the index file from the model's release.")
             path = folder / name
             if not path.is_file():
                 raise CheckpointError(f"{path}: this shard is listed in {INDEX_NAME} but missing. Download it into "
                                       f"{folder} (the model needs all {len(names)} shards).")
-            files.append(_inside(folder, path))
+            files.append(inside_folder(folder, path, CheckpointError))
         return files
     files = sorted(p for p in folder.glob("*.safetensors"))
     if files:
-        return [_inside(folder, p) for p in files]
+        return [inside_folder(folder, p, CheckpointError) for p in files]
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES) if folder.is_dir() else []
     if pickles:
         raise CheckpointError(f"{folder}: holds only pickle checkpoints ({', '.join(pickles[:3])}), which can run "
@@ -176,6 +172,11 @@ class Checkpoint:
     def weight(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor in `dtype`, dequantising FP8 with its `weight_scale_inv` (128x128 blocks) or `weight_scale`."""
         q = self.raw(name)
+        if not q.dtype.is_floating_point:
+            stored = next(k for k, v in DTYPES.items() if v == q.dtype)
+            raise CheckpointError(f"{self.infos[name].file}: weight '{name}' is stored as {stored}, an integer "
+                                  "type, not as floating point. The file is not a Qwen3.5 release: download "
+                                  "the model's safetensors again.")
         if q.dtype not in FP8_DTYPES:
             return q.to(dtype)
         return dequantize_fp8(q, self._fp8_scale(name), name, self.fp8_block).to(dtype)
@@ -185,7 +186,8 @@ class Checkpoint:
             if name + suffix in self.infos:
                 return self.raw(name + suffix)
         raise CheckpointError(f"{self.infos[name].file}: '{name}' is stored as FP8 but has no '{name}_scale_inv' or "
-                              f"'{name}_scale' beside it, so it cannot be dequantised. The download is incomplete.")
+                              f"'{name}_scale' beside it, so it cannot be dequantised. The download is incomplete: "
+                              "download all the files of the FP8 release again.")
 
     def close(self) -> None:
         for mm in self._maps.values():
@@ -208,6 +210,7 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, name: str = "weight",
     if w.dim() != 2 or tuple(scale.shape) != grid:
         raise CheckpointError(f"'{name}': FP8 scale of shape {tuple(scale.shape)} does not fit weight "
                               f"{tuple(w.shape)} with {block[0]}x{block[1]} blocks (expected {grid}). The file is "
-                              "corrupt or uses another block size (config.json quantization_config.weight_block_size).")
+                              "corrupt or uses another block size (config.json quantization_config.weight_block_size): use the "
+                              "config.json of the same release.")
     full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
     return w * full[:rows, :cols]

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import ConfigError
+from .errors import A3BError, ConfigError
 
 SUPPORTED_MODEL_TYPES = {
     "qwen3_5_moe": True, "qwen3_5_moe_text": True,  # value: is MoE
@@ -73,6 +73,7 @@ class ModelConfig:
     vision_start_token_id: int
     vision_end_token_id: int
     quantization: dict | None  # config.json's quantization_config, as given
+    fp8_block: tuple[int, int] = (128, 128)  # quantization_config.weight_block_size
 
 
 def _field(src: dict, key: str, where: str, *, default: Any = ..., types: type | tuple = (int,)) -> Any:
@@ -83,7 +84,8 @@ def _field(src: dict, key: str, where: str, *, default: Any = ..., types: type |
     value = src[key]
     types = types if isinstance(types, tuple) else (types,)
     if (not isinstance(value, types) or isinstance(value, bool) and bool not in types):
-        raise ConfigError(f"{where}: the field '{key}' is {value!r}; expected {_type_names(types)}.")
+        raise ConfigError(f"{where}: the field '{key}' is {value!r}; expected {_type_names(types)}. Use the "
+                          "config.json that came with the model.")
     return value
 
 
@@ -96,6 +98,14 @@ def _positive(src: dict, key: str, where: str, default: Any = ...) -> int:
     if value <= 0:
         raise ConfigError(f"{where}: the field '{key}' is {value}; expected a positive integer.")
     return value
+
+
+def _positive_number(src: dict, key: str, where: str, default: float) -> float:
+    value = _field(src, key, where, default=default, types=(int, float))
+    if not 0 < value < float("inf"):
+        raise ConfigError(f"{where}: the field '{key}' is {value!r}; expected a positive finite number. Use the "
+                          "config.json that came with the model.")
+    return float(value)
 
 
 def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = None) -> TextConfig:
@@ -112,17 +122,27 @@ def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = N
     if layer_types is None:
         interval = _positive(text, "full_attention_interval", where, default=4)
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-    if len(layer_types) != num_layers or not set(layer_types) <= {"full_attention", "linear_attention"}:
+    if (not isinstance(layer_types, list) or len(layer_types) != num_layers
+            or not all(t in ("full_attention", "linear_attention") for t in layer_types)):
         raise ConfigError(f"{where}: 'layer_types' must list {num_layers} entries, each 'full_attention' or "
-                          f"'linear_attention'; got {layer_types!r}.")
+                          f"'linear_attention'; got {layer_types!r}. Use the config.json that came with the model.")
 
     partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", top.get("partial_rotary_factor", 0.25)))
     theta = rope.get("rope_theta", text.get("rope_theta", top.get("rope_theta", 10_000_000.0)))
+    for key, value in (("partial_rotary_factor", partial), ("rope_theta", theta)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+            raise ConfigError(f"{where}: '{key}' is {value!r}; expected a positive number. Use the config.json that "
+                              "came with the model.")
     rotary_dim = int(head_dim * float(partial))
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ConfigError(f"{where}: partial_rotary_factor {partial} gives a rotary dimension of {rotary_dim} for "
                           f"head_dim {head_dim}; expected an even number between 2 and head_dim.")
-    section = tuple(rope.get("mrope_section") or (rotary_dim // 2, 0, 0))
+    section = rope.get("mrope_section") or [rotary_dim // 2, 0, 0]
+    if (not isinstance(section, (list, tuple)) or len(section) != 3
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in section)):
+        raise ConfigError(f"{where}: mrope_section is {section!r}; expected three non-negative integers (t, h, w). "
+                          "Use the config.json that came with the model.")
+    section = tuple(section)
     if sum(section) != rotary_dim // 2:
         raise ConfigError(f"{where}: mrope_section {list(section)} sums to {sum(section)}; expected rotary_dim/2 = "
                           f"{rotary_dim // 2}.")
@@ -133,30 +153,44 @@ def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = N
 
     eos = text.get("eos_token_id", top.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos_ids):
+        raise ConfigError(f"{where}: eos_token_id is {eos!r}; expected a token id or a list of token ids. Use the "
+                          "config.json that came with the model.")
     experts = _positive(text, "num_experts", where) if is_moe else 0
+    per_token = _positive(text, "num_experts_per_tok", where) if is_moe else 0
+    if per_token > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok is {per_token} but there are only {experts} experts. Use "
+                          "the config.json that came with the model.")
+    num_kv = _positive(text, "num_key_value_heads", where, default=num_heads)
+    key_heads, value_heads = (_positive(text, k, where) for k in ("linear_num_key_heads", "linear_num_value_heads"))
+    for many, few, what in ((num_heads, num_kv, "num_attention_heads / num_key_value_heads"),
+                            (value_heads, key_heads, "linear_num_value_heads / linear_num_key_heads")):
+        if many % few:
+            raise ConfigError(f"{where}: {what} is {many} / {few}; the first must be a multiple of the second "
+                              "(grouped heads). Use the config.json that came with the model.")
     return TextConfig(
         vocab_size=_positive(text, "vocab_size", where),
         hidden_size=hidden,
         num_layers=num_layers,
         layer_types=tuple(layer_types),
         num_heads=num_heads,
-        num_kv_heads=_positive(text, "num_key_value_heads", where, default=num_heads),
+        num_kv_heads=num_kv,
         head_dim=head_dim,
         rotary_dim=rotary_dim,
         rope_theta=float(theta),
         mrope_section=section,
         mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
-        linear_num_key_heads=_positive(text, "linear_num_key_heads", where),
-        linear_num_value_heads=_positive(text, "linear_num_value_heads", where),
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
         linear_key_head_dim=_positive(text, "linear_key_head_dim", where),
         linear_value_head_dim=_positive(text, "linear_value_head_dim", where),
         linear_conv_kernel_dim=_positive(text, "linear_conv_kernel_dim", where, default=4),
         num_experts=experts,
-        num_experts_per_tok=_positive(text, "num_experts_per_tok", where) if is_moe else 0,
+        num_experts_per_tok=per_token,
         moe_intermediate_size=_positive(text, "moe_intermediate_size", where) if is_moe else 0,
         shared_expert_intermediate_size=_positive(text, "shared_expert_intermediate_size", where) if is_moe else 0,
         intermediate_size=0 if is_moe else _positive(text, "intermediate_size", where),
-        rms_norm_eps=float(_field(text, "rms_norm_eps", where, default=1e-6, types=(int, float))),
+        rms_norm_eps=_positive_number(text, "rms_norm_eps", where, 1e-6),
         tie_word_embeddings=bool(text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
         max_position_embeddings=_positive(text, "max_position_embeddings", where, default=262144),
         eos_token_ids=eos_ids,
@@ -184,9 +218,10 @@ def parse_vision_config(vision: dict, where: str) -> VisionConfig:
 
 def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
     if not isinstance(raw, dict):
-        raise ConfigError(f"{where}: expected a JSON object at the top level.")
+        raise ConfigError(f"{where}: expected a JSON object at the top level. Use the config.json that came with "
+                          "the model.")
     model_type = raw.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(f"{where}: model_type {model_type!r} is not supported. This pack runs Qwen3.5/3.6 models "
                           f"({', '.join(sorted(SUPPORTED_MODEL_TYPES))}); pick such a model folder.")
     text = raw.get("text_config", raw)
@@ -203,6 +238,12 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         return value
 
     quant = raw.get("quantization_config")
+    quant = quant if isinstance(quant, dict) else None
+    block = (quant or {}).get("weight_block_size") or [128, 128]
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block)):
+        raise ConfigError(f"{where}: quantization_config.weight_block_size is {block!r}; expected two positive "
+                          "integers such as [128, 128]. Use the config.json of the FP8 release.")
     return ModelConfig(
         model_type=model_type,
         text=parse_text_config(text, where, SUPPORTED_MODEL_TYPES[model_type], raw),
@@ -211,8 +252,18 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         video_token_id=token("video_token_id", 248057),
         vision_start_token_id=token("vision_start_token_id", 248053),
         vision_end_token_id=token("vision_end_token_id", 248054),
-        quantization=quant if isinstance(quant, dict) else None,
+        quantization=quant,
+        fp8_block=tuple(block),
     )
+
+
+def inside_folder(folder: Path, path: Path, error: type[A3BError] = ConfigError) -> Path:
+    """`path` resolved, refusing symlinks (or names) that lead outside the model folder."""
+    resolved = path.resolve()
+    if not resolved.is_relative_to(folder.resolve()):
+        raise error(f"{path}: points outside the model folder {folder} (to {resolved}). Copy the file into the "
+                    "folder instead of linking to it.")
+    return resolved
 
 
 def load_config(folder: str | Path) -> ModelConfig:
@@ -220,8 +271,9 @@ def load_config(folder: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ConfigError(f"{path}: config.json is missing. Point the loader at the model folder itself (the one "
                           "holding config.json and the .safetensors files).")
+    inside_folder(Path(folder), path, ConfigError)
     try:
         raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ConfigError(f"{path}: cannot be parsed as JSON ({exc}). Re-download config.json.") from exc
     return parse_config(raw, str(path))

@@ -65,7 +65,7 @@ def resolve_model_path(path: str | Path | None) -> Path:
                               "the path of a model folder.")
         return DEMO_MODEL_DIR
     folder = Path(path).expanduser()
-    if not folder.is_dir():
+    if not str(path).strip() or not folder.is_dir():
         raise ConfigError(f"{folder}: model folder not found. Pass the folder that holds config.json and the "
                           f".safetensors files (for example models/LLM/Qwen3.5-35B-A3B), or '{DEMO_MODEL_NAME}'.")
     return folder
@@ -131,6 +131,9 @@ class A3BModel:
     def build_prompt(self, user: str = "", system: str | None = None, images: EncodedImages | None = None,
                      thinking: bool = False, history: Sequence[Turn] = (), add_vision_id: bool = False) -> "ChatPrompt":
         images = images if images is not None else EncodedImages([], [])
+        if not isinstance(images, EncodedImages):
+            raise PromptError(f"images is a {type(images).__name__}; pass the result of model.encode_images(...), "
+                              "which turns pictures into what the model reads.")
         prompt = build_prompt(self.require_tokenizer(), user, system=system, image_token_counts=images.token_counts,
                               thinking=thinking, history=history, add_vision_id=add_vision_id)
         return ChatPrompt(prompt, images)
@@ -148,6 +151,11 @@ class A3BModel:
         if n_pads != image_rows:
             raise PromptError(f"input_ids hold {n_pads} image pad tokens but the images supply {image_rows} "
                               "embedding rows; build prompts with model.build_prompt so pads and images agree.")
+        width = {e.shape[-1] for e in images.embeds}
+        if width - {embeds.shape[-1]}:
+            raise PromptError(f"the encoded images have {sorted(width)} features per token but this model needs "
+                              f"{embeds.shape[-1]}: they were encoded by another model. Encode them again with this "
+                              "model's encode_images.")
         if n_pads:
             embeds[pads.to(self.device)] = torch.cat(images.embeds).to(embeds.dtype)
         return embeds
@@ -254,8 +262,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     config = load_config(folder)
     has_cuda = torch.cuda.is_available()
     dtype = resolve_compute_dtype(compute_dtype, has_cuda)
-    block = tuple((config.quantization or {}).get("weight_block_size") or (128, 128))
-    ckpt = Checkpoint(folder, fp8_block=block)
+    ckpt = Checkpoint(folder, fp8_block=config.fp8_block)
     plan = make_plan(config, {n: (i.shape, i.dtype) for n, i in ckpt.infos.items()}, preset,
                      weight_format=weight_format, kv_cache=kv_cache, max_context=max_context, has_cuda=has_cuda,
                      compute_format="fp32" if dtype == torch.float32 else "bf16")

@@ -93,6 +93,7 @@ def _request(model: A3BModel, prompt, where: str) -> _Request:
     if isinstance(prompt, ChatPrompt):
         if not prompt.input_ids:
             raise PromptError(f"{where} has no tokens; build it with model.build_prompt and a non-empty user text.")
+        check_input_ids(prompt.input_ids, model.config.text.vocab_size)  # built with another model's tokenizer?
         return _Request(list(prompt.input_ids), prompt.images if len(prompt.images) else None,
                         prompt.prompt.thinking)
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, torch.Tensor)):
@@ -129,10 +130,11 @@ def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed,
              max_context, **sampler_values) -> _Options:
     max_new_tokens = _whole("max_new_tokens", max_new_tokens, 1, "Ask for at least one new token.")
     if isinstance(seed, bool) or not isinstance(seed, Integral):
-        raise GenerationError(f"seed is {seed!r}; expected a whole number.")
+        raise GenerationError(f"seed is {seed!r}; expected a whole number. Pass an integer such as 0.")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) for s in stops):
-        raise GenerationError(f"stop is {stop!r}; expected a string or a list of strings.")
+        raise GenerationError(f"stop is {stop!r}; expected a string or a list of strings. Pass the stop texts as "
+                              "strings.")
     if thinking_budget is not None:
         thinking_budget = _whole("thinking_budget", thinking_budget, 0, "Use None for no limit.")
     positions = model.config.text.max_position_embeddings

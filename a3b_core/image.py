@@ -240,6 +240,10 @@ def resize_image(
     if not isinstance(size, int) or size <= 0 or size % 32:
         lower = max(32, size // 32 * 32) if isinstance(size, int) else 384
         raise ImageError(f"Image size {size!r} is not a positive multiple of 32; use e.g. {lower} or {lower + 32}.")
+    largest = math.isqrt(PROCESSOR_MAX_PIXELS) // 32 * 32
+    if size > largest:
+        raise ImageError(f"Image size {size} is above the model's limit of {largest}x{largest} pixels; use {largest} "
+                         "or less (384 is 144 tokens per image).")
     if mode == "stretch":
         return img.resize((size, size), Image.Resampling.BICUBIC)
     if mode == "letterbox":

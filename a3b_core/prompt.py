@@ -108,6 +108,11 @@ def _checked_token_counts(image_token_counts: Sequence[int]) -> tuple[int, ...]:
 
 
 def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise PromptError(f"the {where} contains a character that is not valid Unicode ({exc.object[exc.start]!r} at "
+                          f"position {exc.start}); remove it or re-type the text.") from None
     for token in _VISION_CONTROL_TOKENS:
         if token in text:
             raise PromptError(f"the {where} contains the control token {token}, which only the template may write. "

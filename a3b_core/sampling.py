@@ -61,18 +61,19 @@ def resolve_sampling(thinking: bool | None, *, temperature: float | None = None,
 
 def _number(name: str, value) -> float:
     if isinstance(value, bool) or not isinstance(value, Real) or not math.isfinite(value):
-        raise GenerationError(f"{name} is {value!r}; expected a finite number.")
+        raise GenerationError(f"{name} is {value!r}; expected a finite number. Use None for Qwen's default.")
     return float(value)
 
 
 def _check(p: SamplingParams) -> None:
     if _number("temperature", p.temperature) < 0:
         raise GenerationError(f"temperature is {p.temperature}; it must be 0 (greedy) or more. Qwen recommends "
-                              "0.7 without thinking and 1.0 with thinking.")
+                              "0.7 without thinking and 1.0 with thinking: use one of those, or 0 for greedy.")
     if not 0 < _number("top_p", p.top_p) <= 1:
         raise GenerationError(f"top_p is {p.top_p}; it must be in (0, 1]. Use 1 to switch it off.")
     if isinstance(p.top_k, bool) or not isinstance(p.top_k, Integral) or p.top_k < 0:
-        raise GenerationError(f"top_k is {p.top_k!r}; it must be a whole number, 0 (off) or more.")
+        raise GenerationError(f"top_k is {p.top_k!r}; it must be a whole number, 0 (off) or more. Use 20, Qwen's "
+                              "default.")
     if not 0 <= _number("min_p", p.min_p) <= 1:
         raise GenerationError(f"min_p is {p.min_p}; it must be in [0, 1]. Use 0 to switch it off.")
     _number("presence_penalty", p.presence_penalty)

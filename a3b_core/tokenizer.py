@@ -8,6 +8,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from tokenizers import AddedToken
 
+from .config import inside_folder
 from .errors import CheckpointError
 
 # Qwen3.5's control tokens, in the order the real vocabulary numbers them. `<think>` and `</think>` are ordinary
@@ -33,6 +34,7 @@ class Tokenizer:
             raise CheckpointError(
                 f"{path}: tokenizer.json is missing. Copy it from the model's release into the model folder "
                 "(it sits beside config.json in every Qwen3.5 download).")
+        inside_folder(Path(folder), path, CheckpointError)
         try:
             return cls(HFTokenizer.from_file(str(path)), str(path))
         except Exception as exc:  # the library raises plain Exceptions with terse messages

@@ -175,7 +175,10 @@ def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: TextConfig, fmt: st
     experts = QuantizedExperts(fmt, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, "cpu")
     state = experts.state_dict()
     if cache_file is not None and cache_file.is_file():
-        cached = load_file(cache_file)
+        try:
+            cached = load_file(cache_file)
+        except Exception:  # a damaged cache file (the library raises its own error type): convert again
+            cached = {}
         if cached.keys() == state.keys() and all(cached[k].shape == state[k].shape for k in state):
             experts.load_state_dict(cached)
             return experts.to(device)

@@ -196,9 +196,7 @@ JSON_VALUES = st.recursive(JSON_SCALARS | st.sampled_from(["full_attention", "de
                                                                                        max_size=3), max_leaves=6)
 
 
-@pytest.mark.xfail(strict=True, reason="parse_config lets TypeError/ValueError/OverflowError escape and accepts "
-                                       "inconsistent values (see the config cases in test_bad_inputs.py)")
-@fuzz("config", known_bug=True)
+@fuzz("config")
 @given(data=st.data())
 def test_mutated_release_config_parses_or_fails_clearly(data):
     raw = copy.deepcopy(data.draw(st.sampled_from(RELEASE_CONFIGS)))
@@ -219,8 +217,7 @@ def test_mutated_release_config_parses_or_fails_clearly(data):
         pass
 
 
-@pytest.mark.xfail(strict=True, reason="e.g. {'model_type': []} raises TypeError (unhashable list) in parse_config")
-@fuzz("config", known_bug=True)
+@fuzz("config")
 @given(raw=st.dictionaries(st.sampled_from(["model_type", "text_config", "vision_config", "rope_parameters",
                                             "hidden_size", "num_hidden_layers", "partial_rotary_factor",
                                             "eos_token_id", "image_token_id"]), JSON_VALUES, max_size=6),
@@ -270,9 +267,7 @@ def test_prompts_build_or_fail_clearly(tok, user, system, turns, counts, thinkin
     check_prompt(tok, prompt, counts)
 
 
-@pytest.mark.xfail(strict=True, reason="a lone surrogate reaches the tokenizers library, which raises TypeError "
-                                       "'TextInputSequence must be str'")
-@fuzz("prompt", known_bug=True)
+@fuzz("prompt")
 @given(user=st.lists(PIECES | st.characters(min_codepoint=0xD800, max_codepoint=0xDFFF), min_size=1,
                      max_size=6).map("".join))
 def test_prompts_with_lone_surrogates_build_or_fail_clearly(tok, user):
