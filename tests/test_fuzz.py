@@ -2,11 +2,9 @@
 
 Each property is "a specific A3BError, or a valid result" - never another exception, a crash or a huge allocation.
 Examples are derandomized (the same every run, so CI is reproducible) and the local database is off. Budget: about
-30 s on one core for the whole file (EXAMPLES below, about 3,800 examples in all; the xfail tests stop at their
-first counterexample). For a longer hunt, raise FUZZ_SCALE, e.g. `A3B_FUZZ_SCALE=20 pytest tests/test_fuzz.py`.
-
-Tests marked xfail(strict) fail today because the fuzzer finds engine bugs (see their reasons and the matching
-explicit cases in test_bad_inputs.py); they flip when the engine is fixed.
+30 s on one core for the whole file (EXAMPLES below: 5,000 examples in all). For a longer hunt, scale them, e.g.
+`A3B_FUZZ_SCALE=20 pytest tests/test_fuzz.py`. Every engine bug these found has a minimal case in
+test_bad_inputs.py.
 """
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image, ImageDraw
 from safetensors.torch import save_file
@@ -39,12 +37,9 @@ EXAMPLES = {"header_bytes": 300, "header_mutations": 800, "header_fields": 500, 
 DATA = Path(__file__).parent / "data"
 
 
-def fuzz(name: str, known_bug: bool = False):
-    """Settings for one target. Tests that fail today (known_bug) stop at their first counterexample without
-    shrinking it: the minimal cases are written out in test_bad_inputs.py. Drop known_bug with the xfail marker."""
-    phases = {"phases": [Phase.generate], "report_multiple_bugs": False} if known_bug else {}
+def fuzz(name: str):
     return settings(max_examples=EXAMPLES[name] * FUZZ_SCALE, deadline=None, derandomize=True, database=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture], **phases)
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
 @pytest.fixture(scope="module")
