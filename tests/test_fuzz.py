@@ -1,4 +1,5 @@
-"""Fuzzing the four parsers that read what users hand us: safetensors headers, config.json, prompt text, image files.
+"""Fuzzing the four parsers that read what users hand us (safetensors headers, config.json, prompt text, image files),
+and a short soak: many generations in one process leave no cache behind.
 
 Each property is "a specific A3BError, or a valid result" - never another exception, a crash or a huge allocation.
 Examples are derandomized (the same every run, so CI is reproducible) and the local database is off. Budget: about
@@ -23,12 +24,14 @@ from hypothesis import strategies as st
 from PIL import Image, ImageDraw
 from safetensors.torch import save_file
 
+from a3b_core import load_model
 from a3b_core.checkpoint import Checkpoint, read_header
 from a3b_core.config import ModelConfig, parse_config
 from a3b_core.errors import CheckpointError, ConfigError, ImageError, PromptError
 from a3b_core.image import MAX_INPUT_PIXELS, load_image
 from a3b_core.prompt import IMAGE_MARKER, Turn, build_prompt
 from a3b_core.tokenizer import Tokenizer
+from bench.soak import run_soak
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 FUZZ_SCALE = int(os.environ.get("A3B_FUZZ_SCALE", "1"))
@@ -303,3 +306,19 @@ def test_mutated_images_decode_or_fail_clearly(scratch, seed, mutations):
     except ImageError:
         return
     assert img.mode == "RGB" and 0 < img.width * img.height <= MAX_INPUT_PIXELS
+
+
+# ------------------------------------------------------------------------------------------------- repetition
+def test_short_soak_leaves_no_cache_and_memory_levels_off(fixtures):
+    """One period of bench/soak.py's mix (15 generations: text, images, thinking, Stop): no Cache or EncodedImages
+    outlives its call, and RSS after the warm-up sample stays within a generous 25% (the benchmark's 300 runs hold
+    it to 5%)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        report = run_soak(load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32"), 15, 5)
+    finally:
+        torch.set_num_threads(threads)
+    assert report.cancelled == 3 and report.image_prompts == 5  # the mix ran as designed
+    assert not report.leaked, report.samples
+    assert report.growth < 0.25, report.samples
