@@ -53,11 +53,20 @@ for name, fallback in (("torch", "2.14.1"), ("torchvision", "0.29.1")):
 EOF
     grep -v -E '^(torch|torchvision|torchaudio)\s*$' "$COMFY_DIR/requirements.txt" > "$reqs"
     if "$python" - "$reqs" <<'EOF'
-import importlib.metadata as md, re, sys
-# Quick check: every requirement's distribution is installed (pip's own check takes much longer).
-names = [re.split(r"[<>=~!\[ ]", line.strip())[0] for line in open(sys.argv[1]) if line.strip() and not line.startswith("#")]
-for name in names + ["requests", "torchaudio"]:
-    md.version(name)
+import importlib.metadata as md, sys
+try:
+    from packaging.requirements import Requirement
+except ImportError:
+    from pip._vendor.packaging.requirements import Requirement
+# Quick check that every requirement is installed in a matching version (a pip dry run takes much longer).
+lines = [line.strip() for line in open(sys.argv[1]) if line.strip() and not line.startswith("#")]
+for req in map(Requirement, lines + ["requests", "torchaudio==2.11.1"]):
+    try:
+        version = md.version(req.name)
+    except md.PackageNotFoundError:
+        sys.exit(1)
+    if not req.specifier.contains(version, prereleases=True):
+        sys.exit(1)
 EOF
     then
         log "ComfyUI requirements already installed"
