@@ -748,3 +748,15 @@ def test_corrupt_expert_cache_is_rebuilt(ws):
     truncate(layer, 100)
     assert torch.equal(ws.load(folder, weight_format="int8").logits([[1, 2, 3]]), reference)
     read_header(layer)
+
+
+@pytest.mark.xfail(strict=True, reason="NotADirectoryError (an OSError) from write_atomically escapes load_model; "
+                                       "a read-only or full disk gives the same")
+def test_unwritable_expert_cache_does_not_stop_loading(ws, monkeypatch):
+    """The cache only saves time: when it cannot be written (read-only home in a container, full disk), the
+    converted experts are used anyway."""
+    blocker = ws.tmp / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv("A3B_CACHE_DIR", str(blocker / "cache"))
+    model = ws.load(ws.fixtures.moe_hf, weight_format="int8")
+    assert model.generate([1, 2, 3], max_new_tokens=2, temperature=0).token_ids
