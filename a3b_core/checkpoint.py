@@ -106,6 +106,7 @@ def find_weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a model folder, from the index when there is one."""
     index = folder / INDEX_NAME
     if index.is_file():
+        inside_folder(folder, index, CheckpointError)
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             names = sorted(set(weight_map.values()))

@@ -543,8 +543,6 @@ def test_bad_input_gets_a_clear_error(ws, bad: Bad):
     assert snapshot(ws.tmp) == before  # nothing written, nothing half-written
 
 
-@pytest.mark.xfail(strict=True, reason="the index is read through a symlink to outside the folder, while config.json, "
-                                       "tokenizer.json and the shards are refused")
 def test_index_symlinked_outside_is_refused(ws):
     folder = ws.copy("moe_fused_bf16")
     symlink_outside(INDEX)(folder)
