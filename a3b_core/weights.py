@@ -191,7 +191,10 @@ def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: TextConfig, fmt: st
             else:
                 stack.set(j, expert_matrix(ckpt, base, cfg, which, j))
     if cache_file is not None:
-        write_atomically(cache_file, lambda tmp: save_file(experts.state_dict(), tmp))
+        try:
+            write_atomically(cache_file, lambda tmp: save_file(experts.state_dict(), tmp))
+        except OSError:  # a read-only or full cache disk only costs the next load a conversion
+            pass
     return experts.to(device)
 
 

@@ -748,8 +748,6 @@ def test_corrupt_expert_cache_is_rebuilt(ws):
     read_header(layer)
 
 
-@pytest.mark.xfail(strict=True, reason="NotADirectoryError (an OSError) from write_atomically escapes load_model; "
-                                       "a read-only or full disk gives the same")
 def test_unwritable_expert_cache_does_not_stop_loading(ws, monkeypatch):
     """The cache only saves time: when it cannot be written (read-only home in a container, full disk), the
     converted experts are used anyway."""
