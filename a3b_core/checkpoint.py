@@ -125,7 +125,7 @@ def find_weight_files(folder: Path) -> list[Path]:
                                       f"{folder} (the model needs all {len(names)} shards).")
             files.append(inside_folder(folder, path, CheckpointError))
         return files
-    files = sorted(p for p in folder.glob("*.safetensors"))
+    files = sorted(p for p in folder.glob("*.safetensors") if p.is_file())  # not pipes or folders
     if files:
         return [inside_folder(folder, p, CheckpointError) for p in files]
     pickles = sorted(p.name for p in folder.iterdir() if p.suffix in PICKLE_SUFFIXES) if folder.is_dir() else []

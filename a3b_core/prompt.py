@@ -58,6 +58,9 @@ def build_prompt(tokenizer: Tokenizer, user: str, *, system: str | None = None,
     gets its images before the text. A blank `system` means no system message. `add_vision_id` labels images
     "Picture N: ", numbered across the whole conversation.
     """
+    for name, value in (("user", user), ("system", system)):
+        if value is not None and not isinstance(value, str) or name == "user" and value is None:
+            raise PromptError(f"the {name} text is a {type(value).__name__}; pass a string.")
     counts = _checked_token_counts(image_token_counts)
     for number, turn in enumerate(history, start=1):
         if turn.num_images < 0:
