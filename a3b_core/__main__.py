@@ -1,4 +1,4 @@
-"""Command line: `python -m a3b_core plan MODEL --preset 8gb [--json]`, `python -m a3b_core inspect MODEL`."""
+"""Command line: `python -m a3b_core caption IMAGE...`, `plan MODEL --preset 8gb [--json]`, `inspect MODEL`."""
 from __future__ import annotations
 
 import argparse
@@ -21,6 +21,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
                            gpu_free=None if args.vram is None else int(args.vram * GiB),
                            cpu_free=None if args.ram is None else int(args.ram * GiB))
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan)
+    return 0
+
+
+def cmd_caption(args: argparse.Namespace) -> int:
+    from .demo.dataset import CAPTION_PROMPT
+    from .engine import DEMO_MODEL_NAME, load_model
+
+    model = load_model(args.model, preset=args.preset)
+    prompt = args.prompt or (CAPTION_PROMPT if args.model == DEMO_MODEL_NAME else "Describe the image in one sentence.")
+    for path in args.images:
+        chat = model.build_prompt(user=prompt, images=model.encode_images(path, size=args.size, resize=args.resize),
+                                  thinking=args.thinking)
+        result = model.generate(chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+        print(f"{path}: {result.text}")
     return 0
 
 
@@ -57,6 +71,19 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m a3b_core", description="A3B engine tools.")
     commands = parser.add_subparsers(dest="command", required=True)
+
+    caption = commands.add_parser("caption", help="caption images (default: the embedded demo model)")
+    caption.add_argument("images", nargs="+", help="image files")
+    caption.add_argument("--model", default="a3b-demo", help="model folder, or a3b-demo (default)")
+    caption.add_argument("--prompt", default=None, help="the request (default: the model's captioning request)")
+    caption.add_argument("--preset", default="auto", choices=PRESET_NAMES)
+    caption.add_argument("--size", type=int, default=384, help="image side in pixels (multiple of 32)")
+    caption.add_argument("--resize", default="stretch", choices=("stretch", "letterbox", "crop", "native"))
+    caption.add_argument("--thinking", action="store_true", help="let the model reason before answering")
+    caption.add_argument("--max-new-tokens", type=int, default=128)
+    caption.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default, reproducible)")
+    caption.add_argument("--seed", type=int, default=0)
+    caption.set_defaults(run=cmd_caption)
 
     plan = commands.add_parser("plan", help="show where each part of a model would live (reads headers only)")
     plan.add_argument("model", help="model folder (config.json + .safetensors)")
