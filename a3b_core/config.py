@@ -233,7 +233,7 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
 
     def token(key: str, default: int) -> int:
         value = raw.get(key, text.get(key, default))
-        if not isinstance(value, int):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ConfigError(f"{where}: the field '{key}' is {value!r}; expected an integer token id.")
         return value
 
