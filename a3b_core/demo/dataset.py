@@ -12,8 +12,9 @@ and `parse_caption` turns it back into the scene:
 for example "a small red circle at the top left and a large green star at the centre on a blue background".
 
 Two shapes at most by default: the demo model (a tiny vision tower trained for minutes on a CPU) has to bind colour,
-kind, size and position per shape, and every extra shape multiplies what it must learn; three are available
-(`max_shapes=3`) for longer training runs.
+kind, size and position per shape, and every extra shape multiplies what it must learn. A tiny model learns the
+grammar and the background colour within a few hundred steps, the per-shape attributes much later, so training can
+start with `max_shapes=1`; three shapes are available (`max_shapes=3`) for longer runs.
 """
 from __future__ import annotations
 
