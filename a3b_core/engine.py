@@ -115,7 +115,9 @@ class A3BModel:
         embeds, grids = [], []
         for img in image_pipeline.images_from_input(images):
             rgb = image_pipeline.load_image(img, background=background, srgb=srgb)
-            pixels, grid = image_pipeline.to_patches(image_pipeline.resize_image(rgb, size, resize))
+            vcfg = self.config.vision
+            pixels, grid = image_pipeline.to_patches(image_pipeline.resize_image(rgb, size, resize), vcfg.patch_size,
+                                                     vcfg.temporal_patch_size, vcfg.spatial_merge_size)
             vision_device = self.vision.pos_embed.weight.device
             embeds.append(self.vision(pixels.to(vision_device, self.dtype), [grid]).to(self.device))
             grids.append(grid)
