@@ -1,5 +1,6 @@
 """Shared pytest fixtures."""
 import pytest
+import torch
 
 from tests.tiny_models import Fixtures, build_fixtures
 
@@ -8,3 +9,12 @@ from tests.tiny_models import Fixtures, build_fixtures
 def fixtures() -> Fixtures:
     """Tiny checkpoints in every layout plus transformers reference outputs (built once, cached on disk)."""
     return build_fixtures()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices only pay for thread spin-up; one thread keeps such tests fast on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -51,13 +51,7 @@ INDEX = "model.safetensors.index.json"
 EMBED = "model.language_model.embed_tokens.weight"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matrices only pay for thread spin-up; one thread keeps this fast on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -12,13 +12,7 @@ from a3b_core.prompt import Prompt
 GEN_TOKENS = 32
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny matrices only pay thread spin-up; one thread keeps these tests fast on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
