@@ -1,0 +1,423 @@
+"""Trains, exports and evaluates the embedded demo model "a3b-demo" on the seeded shape scenes of `dataset.py`.
+
+    python -m a3b_core.demo.train train            # ~25 min on 2 CPU cores; writes a3b-demo/ and a3b-demo-fp8/
+    python -m a3b_core.demo.train evaluate --n 500 # exact-match caption accuracy through the full engine pipeline
+
+The model is the Qwen3.5-MoE architecture at toy size (Gated DeltaNet + gated attention, MoE with a shared expert,
+ViT vision tower), built from a3b_core's own modules and trained with autograd. Each training image comes with two
+sequences sharing its vision embeddings: the caption conversation exactly as the engine prompts it, and a short
+question-and-answer conversation (which makes the model look at one shape or cell at a time). The loss covers every
+assistant answer token, `<|im_end|>` included. Training is deterministic for a given seed and thread count: data is
+drawn from per-sample seeds, and the step count (not the clock) ends training.
+
+Exact match is measured without decoding during training: greedy decoding reproduces a caption exactly iff, fed the
+true caption, the model's argmax is right at every caption token, which one batched forward pass answers.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+from ..config import parse_config
+from ..image import to_patches
+from ..model import TextModel
+from ..positions import mrope_position_ids
+from ..prompt import Turn, build_prompt
+from ..tokenizer import Tokenizer
+from ..vision import VisionTower
+from . import dataset
+from .build_tokenizer import build_demo_tokenizer
+
+DEMO_DIR = Path(__file__).parent / "a3b-demo"
+DEMO_FP8_DIR = Path(__file__).parent / "a3b-demo-fp8"
+TRAIN_SEED = 0
+VALIDATION_SEED = 998  # picks the best checkpoint during training
+TEST_SEED = 999  # never seen in training or selection: the reported accuracy
+IGNORE = -100
+FP8_BLOCK = 128
+FP8_MAX = 448.0
+# The matrices the official FP8 release stores as e4m3 (spec 5); experts get bf16 scales, the others fp32.
+FP8_EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
+FP8_OTHER = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
+                       r"|shared_expert\.(gate|up|down)_proj)\.weight$")
+FP32_IN_RELEASE = re.compile(r"linear_attn\.(A_log|norm\.weight)$")
+QA_TURNS = 3
+
+
+# --------------------------------------------------------------------------------------------------- config
+def demo_config(tokenizer: Tokenizer) -> dict:
+    """config.json in the official spellings. Patch 32 (12x12 patches at 384, 36 LM tokens) and rope_theta 1e4 make
+    the model small and fast to train; the architecture is the release's."""
+    ids = {name: tokenizer.token_id(token) for name, token in (
+        ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
+    text = dict(
+        model_type="qwen3_5_moe_text", vocab_size=tokenizer.vocab_size, hidden_size=128, num_hidden_layers=4,
+        layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25,
+                             mrope_section=[3, 3, 2], mrope_interleaved=True),
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+        linear_conv_kernel_dim=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128,
+        shared_expert_intermediate_size=128, hidden_act="silu", rms_norm_eps=1e-6, attention_bias=False,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+        eos_token_id=[tokenizer.token_id("<|im_end|>"), tokenizer.token_id("<|endoftext|>")],
+        bos_token_id=None, pad_token_id=tokenizer.token_id("<|endoftext|>"), dtype="bfloat16")
+    vision = dict(
+        model_type="qwen3_5_moe", depth=2, hidden_size=96, num_heads=3, intermediate_size=256, patch_size=32,
+        temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=144,
+        out_hidden_size=128, hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[])
+    return dict(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe", text_config=text,
+                vision_config=vision, tie_word_embeddings=False, **ids)
+
+
+# ----------------------------------------------------------------------------------------------------- init
+@torch.no_grad()
+def init_weights(text: TextModel, vision: VisionTower, seed: int) -> None:
+    """Matrices N(0, 0.02); zero-centred norms 0; DeltaNet decays A = U(1, 16); the vision position table N(0, 0.5)
+    so that where a patch is stands out against what it shows."""
+    torch.manual_seed(seed)
+    for name, p in text.named_parameters():
+        if name.endswith("A_log"):
+            p.copy_(torch.empty_like(p).uniform_(1, 16).log())
+        elif name.endswith("dt_bias") or name.endswith("linear_attn.norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith("conv1d.weight"):  # a small kernel that mostly passes the current token on
+            p.normal_(0, 0.02)[..., -1] += 1.0
+        elif p.dim() == 1:
+            p.zero_()
+        else:
+            p.normal_(0, 0.02)
+    for name, p in vision.named_parameters():
+        if name == "pos_embed.weight":
+            p.normal_(0, 0.5)
+        elif name.endswith("norm1.weight") or name.endswith("norm2.weight") or name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif p.dim() == 1:
+            p.zero_()
+        else:
+            p.normal_(0, 0.02)
+
+
+def build_models(config: dict, seed: int) -> tuple[TextModel, VisionTower]:
+    cfg = parse_config(config)
+    text, vision = TextModel(cfg.text), VisionTower(cfg.vision)
+    init_weights(text, vision, seed)
+    return text, vision
+
+
+# ----------------------------------------------------------------------------------------------------- data
+def answer_labels(ids: list[int], answers: list[str], tokenizer: Tokenizer, im_end: int) -> list[int]:
+    """Next-token labels that are IGNORE except where the next token is part of an answer or its <|im_end|>.
+    The answers are found in order, each as its tokens followed by <|im_end|>."""
+    labels = [IGNORE] * len(ids)
+    cursor = 0
+    for answer in answers:
+        target = tokenizer.encode(answer) + [im_end]
+        start = next(i for i in range(cursor, len(ids) - len(target) + 1) if ids[i:i + len(target)] == target)
+        for i in range(start, start + len(target)):
+            labels[i - 1] = ids[i]
+        cursor = start + len(target)
+    return labels
+
+
+def caption_sequence(tokenizer: Tokenizer, caption: str, image_tokens: int) -> tuple[list[int], list[int]]:
+    """The caption conversation exactly as the engine prompts it, answered."""
+    im_end = tokenizer.token_id("<|im_end|>")
+    ids = list(build_prompt(tokenizer, dataset.CAPTION_PROMPT, image_token_counts=[image_tokens]).input_ids)
+    ids += tokenizer.encode(caption) + [im_end]
+    return ids, answer_labels(ids, [caption], tokenizer, im_end)
+
+
+def qa_sequence(tokenizer: Tokenizer, qa: list[tuple[str, str]], image_tokens: int) -> tuple[list[int], list[int]]:
+    """Questions about the image, the first one with it, earlier turns as the chat template re-renders them."""
+    im_end = tokenizer.token_id("<|im_end|>")
+    *earlier, (question, answer) = qa
+    history = [Turn(q, a, num_images=int(i == 0)) for i, (q, a) in enumerate(earlier)]
+    ids = list(build_prompt(tokenizer, question, image_token_counts=[image_tokens], history=history).input_ids)
+    ids += tokenizer.encode(answer) + [im_end]
+    return ids, answer_labels(ids, [a for _, a in qa], tokenizer, im_end)
+
+
+class SceneData(torch.utils.data.Dataset):
+    """Item i: one scene drawn from seed (seed, i), as patches plus its caption and question sequences."""
+
+    def __init__(self, config: dict, seed: int, length: int, one_shape_items: int = 0):
+        self.config, self.seed, self.length, self.one_shape_items = config, seed, length, one_shape_items
+        self.tokenizer: Tokenizer | None = None  # built in the worker
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        if self.tokenizer is None:
+            self.tokenizer = Tokenizer(build_demo_tokenizer())
+        rng = random.Random(f"{self.seed}-{i}")
+        sample = dataset.make_sample(rng, max_shapes=1 if i < self.one_shape_items else dataset.MAX_SHAPES)
+        return encode_sample(sample, self.config, self.tokenizer, rng)
+
+
+def encode_sample(sample: dataset.Sample, config: dict, tokenizer: Tokenizer, rng: random.Random) -> dict:
+    vcfg = config["vision_config"]
+    pixels, grid = to_patches(sample.image, vcfg["patch_size"], vcfg["temporal_patch_size"],
+                              vcfg["spatial_merge_size"])
+    image_tokens = grid[0] * grid[1] * grid[2] // vcfg["spatial_merge_size"] ** 2
+    qa = rng.sample(sample.qa, min(QA_TURNS, len(sample.qa)))
+    cap_ids, cap_labels = caption_sequence(tokenizer, sample.caption, image_tokens)
+    qa_ids, qa_labels = qa_sequence(tokenizer, qa, image_tokens)
+    return dict(pixels=pixels, grid=grid, sequences=[(cap_ids, cap_labels), (qa_ids, qa_labels)])
+
+
+def collate(items: list[dict], image_token_id: int, merge: int) -> dict:
+    """Right-padded batch: all caption sequences, then all question sequences (padding after the end is never seen
+    by earlier tokens, as every layer is causal)."""
+    seqs = [item["sequences"][0] for item in items] + [item["sequences"][1] for item in items]
+    grids = [item["grid"] for item in items]
+    length = max(len(ids) for ids, _ in seqs)
+    ids = torch.zeros(len(seqs), length, dtype=torch.long)
+    labels = torch.full((len(seqs), length), IGNORE, dtype=torch.long)
+    positions = torch.zeros(3, len(seqs), length, dtype=torch.long)
+    for row, ((seq, lab), grid) in enumerate(zip(seqs, grids + grids)):
+        ids[row, :len(seq)] = torch.tensor(seq)
+        labels[row, :len(lab)] = torch.tensor(lab)
+        positions[:, row, :len(seq)] = mrope_position_ids(torch.tensor(seq), [grid], image_token_id, merge)[0]
+    return dict(pixels=torch.cat([item["pixels"] for item in items]), grids=grids, ids=ids, labels=labels,
+                positions=positions, captions=len(items))
+
+
+# --------------------------------------------------------------------------------------------------- forward
+def forward_logits(text: TextModel, vision: VisionTower, batch: dict, image_token_id: int) -> torch.Tensor:
+    image_rows = vision(batch["pixels"], batch["grids"])  # both sequences of an image read the same rows
+    embeds = text.embed_tokens(batch["ids"])
+    pads = (batch["ids"] == image_token_id)[..., None]
+    embeds = embeds.masked_scatter(pads, torch.cat([image_rows, image_rows]))
+    return text(embeds, batch["positions"])
+
+
+def caption_exact(logits: torch.Tensor, batch: dict) -> torch.Tensor:
+    """Per caption sequence: does greedy decoding reproduce the caption (argmax right at every answer token)?"""
+    n = batch["captions"]
+    labels = batch["labels"][:n]
+    right = (logits[:n].argmax(-1) == labels) | (labels == IGNORE)
+    return right.all(-1)
+
+
+@torch.no_grad()
+def validation_accuracy(text: TextModel, vision: VisionTower, batches: list[dict], image_token_id: int) -> float:
+    text.eval(), vision.eval()
+    exact = torch.cat([caption_exact(forward_logits(text, vision, b, image_token_id), b) for b in batches])
+    text.train(), vision.train()
+    return exact.float().mean().item()
+
+
+def fixed_batches(config: dict, seed: int, n: int, batch_size: int) -> list[dict]:
+    data = SceneData(config, seed, n)
+    merge = config["vision_config"]["spatial_merge_size"]
+    items = [data[i] for i in range(n)]
+    return [collate(items[i:i + batch_size], config["image_token_id"], merge) for i in range(0, n, batch_size)]
+
+
+# ----------------------------------------------------------------------------------------------------- export
+def release_tensors(text: TextModel, vision: VisionTower) -> dict[str, torch.Tensor]:
+    """The official BF16 layout: fused experts, release names, bf16 except DeltaNet's A_log and norm weight."""
+    named = {("lm_head.weight" if n == "lm_head.weight" else "model.language_model." + n): p
+             for n, p in text.state_dict().items()}
+    named.update({"model.visual." + n: p for n, p in vision.state_dict().items()})
+    return {n: p.detach().to(torch.float32 if FP32_IN_RELEASE.search(n) else torch.bfloat16).contiguous()
+            for n, p in named.items()}
+
+
+def quantise_fp8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """[out, in] -> (e4m3, weight_scale_inv [ceil(out/128), ceil(in/128)]) with scale = block absmax / 448."""
+    rows, cols = weight.shape
+    br, bc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
+    padded = F.pad(weight.abs().float(), (0, bc * FP8_BLOCK - cols, 0, br * FP8_BLOCK - rows))
+    absmax = padded.view(br, FP8_BLOCK, bc, FP8_BLOCK).amax(dim=(1, 3))
+    scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax)).to(scale_dtype)
+    full = scale.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:rows, :cols]
+    return (weight.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+def fp8_tensors(bf16: dict[str, torch.Tensor], inter: int) -> dict[str, torch.Tensor]:
+    """The official FP8 layout: per-expert e4m3 experts and the spec-5 matrices with block scales; the rest as in
+    the BF16 release."""
+    out: dict[str, torch.Tensor] = {}
+    for name, value in bf16.items():
+        fused = re.match(r"(.*mlp\.experts)\.(gate_up_proj|down_proj)$", name)
+        if fused is None:
+            out[name] = value
+            continue
+        for j, matrix in enumerate(value):
+            parts = {"down_proj": matrix} if fused[2] == "down_proj" else \
+                {"gate_proj": matrix[:inter], "up_proj": matrix[inter:]}
+            out.update({f"{fused[1]}.{j}.{part}.weight": w for part, w in parts.items()})
+    for name in list(out):
+        if not name.startswith("model.language_model."):
+            continue
+        scale_dtype = torch.bfloat16 if FP8_EXPERT.search(name) else torch.float32 if FP8_OTHER.search(name) else None
+        if scale_dtype is not None:
+            out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = quantise_fp8(out[name], scale_dtype)
+    return {n: t.contiguous() for n, t in out.items()}
+
+
+FP8_QUANTIZATION_CONFIG = {
+    "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+    "modules_to_not_convert": ["lm_head", "model.visual", "model.language_model.embed_tokens", "mlp.gate",
+                               "mlp.shared_expert_gate", "linear_attn.in_proj_a", "linear_attn.in_proj_b",
+                               "linear_attn.conv1d", "linear_attn.A_log", "linear_attn.dt_bias", "linear_attn.norm",
+                               "input_layernorm", "post_attention_layernorm", "self_attn.q_norm", "self_attn.k_norm",
+                               "model.language_model.norm"]}
+
+
+def write_folder(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
+    """Replaces `folder` with config.json, tokenizer.json and model.safetensors (written aside, then moved in)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    staging.chmod(0o755)
+    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    build_demo_tokenizer().save(str(staging / "tokenizer.json"))
+    save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
+    shutil.rmtree(folder, ignore_errors=True)
+    staging.rename(folder)
+
+
+def export(text: TextModel, vision: VisionTower, config: dict, bf16_dir: Path = DEMO_DIR,
+           fp8_dir: Path = DEMO_FP8_DIR) -> None:
+    bf16 = release_tensors(text, vision)
+    write_folder(bf16_dir, config, bf16)
+    inter = config["text_config"]["moe_intermediate_size"]
+    write_folder(fp8_dir, {**config, "quantization_config": FP8_QUANTIZATION_CONFIG}, fp8_tensors(bf16, inter))
+
+
+# --------------------------------------------------------------------------------------------------- evaluate
+def write_test_images(folder: Path, seed: int, n: int) -> list[tuple[Path, str]]:
+    """`n` held-out scenes as PNG files, with their captions."""
+    folder.mkdir(parents=True, exist_ok=True)
+    cases = []
+    for i, sample in enumerate(dataset.make_samples(seed, n)):
+        path = folder / f"scene_{seed}_{i:04d}.png"
+        sample.image.save(path)
+        cases.append((path, sample.caption))
+    return cases
+
+
+def caption_files(model, paths: list[Path]) -> list[str]:
+    """The full engine pipeline: file -> sRGB -> 384x384 -> vision tower -> prompt -> greedy generation."""
+    captions = []
+    for path in paths:
+        prompt = model.build_prompt(user=dataset.CAPTION_PROMPT, images=model.encode_images(path))
+        captions.append(model.generate(prompt, max_new_tokens=64, temperature=0).text.strip())
+    return captions
+
+
+def pipeline_accuracy(folder: Path | str, cases: list[tuple[Path, str]], compute_dtype: str = "auto") -> float:
+    from ..engine import load_model
+    model = load_model(folder, compute_dtype=compute_dtype)
+    got = caption_files(model, [path for path, _ in cases])
+    return sum(g == want for g, (_, want) in zip(got, cases)) / len(cases)
+
+
+# ----------------------------------------------------------------------------------------------------- train
+def train(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    tokenizer = Tokenizer(build_demo_tokenizer())
+    config = demo_config(tokenizer)
+    text, vision = build_models(config, args.seed)
+    params = [p for m in (text, vision) for p in m.parameters()]
+    print(f"parameters: text {sum(p.numel() for p in text.parameters()):,}, "
+          f"vision {sum(p.numel() for p in vision.parameters()):,}", flush=True)
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    optimiser = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0}],
+                                  lr=args.lr, betas=(0.9, 0.95))
+
+    def lr_at(step: int) -> float:
+        if step < args.warmup:
+            return args.lr * (step + 1) / args.warmup
+        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
+        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+    image_token_id, merge = config["image_token_id"], config["vision_config"]["spatial_merge_size"]
+    data = SceneData(config, args.seed, args.steps * args.batch, one_shape_items=args.one_shape_steps * args.batch)
+    loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False, num_workers=1,
+                                         collate_fn=lambda items: collate(items, image_token_id, merge),
+                                         prefetch_factor=4, persistent_workers=False)
+    validation = fixed_batches(config, VALIDATION_SEED, args.validation, 50)
+    best, started = -1.0, time.perf_counter()
+    text.train(), vision.train()
+    for step, batch in enumerate(loader):
+        for group in optimiser.param_groups:
+            group["lr"] = lr_at(step)
+        logits = forward_logits(text, vision, batch, image_token_id)
+        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
+        optimiser.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimiser.step()
+        if step % args.log_every == 0:
+            train_exact = caption_exact(logits.detach(), batch).float().mean().item()
+            print(f"step {step:5d}  {time.perf_counter() - started:7.1f}s  loss {loss.item():.4f}  "
+                  f"train caption exact {train_exact:.2f}", flush=True)
+        last = step == args.steps - 1
+        if (step + 1) % args.eval_every == 0 or last:
+            accuracy = validation_accuracy(text, vision, validation, image_token_id)
+            print(f"step {step + 1:5d}  {time.perf_counter() - started:7.1f}s  validation caption exact "
+                  f"{accuracy:.3f}", flush=True)
+            if accuracy >= best:
+                best = accuracy
+                export(text, vision, config, args.out, args.out_fp8)
+                print(f"            exported (best so far) to {args.out} and {args.out_fp8}", flush=True)
+    print(f"done in {time.perf_counter() - started:.0f}s; best validation caption exact {best:.3f}", flush=True)
+
+
+def evaluate(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        cases = write_test_images(Path(tmp), args.seed, args.n)
+        for folder, dtype in ((args.out, "auto"), (args.out, "float32"), (args.out_fp8, "auto")):
+            started = time.perf_counter()
+            accuracy = pipeline_accuracy(folder, cases, dtype)
+            print(f"{folder.name} compute {dtype}: exact-match caption accuracy {accuracy:.3f} on {args.n} images of "
+                  f"seed {args.seed} ({time.perf_counter() - started:.0f}s)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=("train", "evaluate"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=DEMO_DIR)
+    parser.add_argument("--out-fp8", type=Path, default=DEMO_FP8_DIR)
+    parser.add_argument("--seed", type=int, default=None, help=f"train: {TRAIN_SEED}; evaluate: {TEST_SEED}")
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch", type=int, default=24)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=60)
+    parser.add_argument("--one-shape-steps", type=int, default=150, help="curriculum: first steps see one shape")
+    parser.add_argument("--log-every", type=int, default=20)
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--validation", type=int, default=200, help="validation scenes (seed 998)")
+    parser.add_argument("--n", type=int, default=500, help="evaluate: held-out images")
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        args.seed = TRAIN_SEED if args.seed is None else args.seed
+        train(args)
+    else:
+        args.seed = TEST_SEED if args.seed is None else args.seed
+        evaluate(args)
+
+
+if __name__ == "__main__":
+    main()
