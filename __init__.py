@@ -7,9 +7,12 @@ _PACK_DIR = os.path.dirname(os.path.abspath(__file__))
 if _PACK_DIR not in sys.path:
     sys.path.append(_PACK_DIR)
 
-from .nodes import comfy_bridge  # noqa: E402
-
 WEB_DIRECTORY = "./web"
 
-if comfy_bridge.IN_COMFYUI:
-    from .nodes.extension import comfy_entrypoint  # noqa: F401
+# ComfyUI imports this file as a package. pytest may import it as a plain module when the checkout's folder name is
+# not a Python identifier; then there is nothing to register.
+if __package__:
+    from .nodes import comfy_bridge
+
+    if comfy_bridge.IN_COMFYUI:
+        from .nodes.extension import comfy_entrypoint  # noqa: F401
