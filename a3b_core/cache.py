@@ -50,7 +50,7 @@ class Cache:
                     self.key_scales[layer] = torch.zeros(shape[:-1] + (1,), device=device)
                     self.value_scales[layer] = torch.zeros(shape[:-1] + (1,), device=device)
             else:
-                self.conv[layer] = torch.zeros(batch, conv_dim, cfg.linear_conv_kernel_dim - 1, device=device)
+                self.conv[layer] = torch.zeros(batch, cfg.linear_conv_kernel_dim - 1, conv_dim, device=device)
                 self.state[layer] = torch.zeros(batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                                 cfg.linear_value_head_dim, device=device)
         # int8: one layer's dequantised keys and values, reused by every layer in turn
