@@ -178,9 +178,26 @@ class Checkpoint:
             raise CheckpointError(f"{self.infos[name].file}: weight '{name}' is stored as {stored}, an integer "
                                   "type, not as floating point. The file is not a Qwen3.5 release: download "
                                   "the model's safetensors again.")
-        if q.dtype not in FP8_DTYPES:
-            return q.to(dtype)
-        return dequantize_fp8(q, self._fp8_scale(name), name, self.fp8_block).to(dtype)
+        if q.dtype == dtype:
+            return q  # a view of the mapped file: pages are read when first used, shared with the page cache
+        if q.dtype in FP8_DTYPES:
+            out = dequantize_fp8(q, self._fp8_scale(name), name, self.fp8_block).to(dtype)
+        else:
+            out = q.to(dtype)
+        self.release(name)
+        return out
+
+    def release(self, name: str) -> None:
+        """Drops the mapped pages of a tensor that was copied out, so converting a checkpoint never holds the file
+        and its converted copy in memory together (the pages are read again if the tensor is used again)."""
+        info = self.infos[name]
+        mm = self._maps.get(info.file)
+        if mm is None or info.nbytes < mmap.PAGESIZE:
+            return
+        start = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor only
+        end = (info.offset + info.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        if end > start:
+            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def _fp8_scale(self, name: str) -> torch.Tensor:
         for suffix in ("_scale_inv", "_scale"):

@@ -182,14 +182,15 @@ def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: TextConfig, fmt: st
         if cached.keys() == state.keys() and all(cached[k].shape == state[k].shape for k in state):
             experts.load_state_dict(cached)
             return experts.to(device)
-    i = cfg.moe_intermediate_size
     for which, stack in (("gate_up_proj", experts.gate_up_proj), ("down_proj", experts.down_proj)):
         for j in range(cfg.num_experts):
-            if fmt == "fp8" and i % FP8_BLOCK == 0 and base + f"{j}.down_proj.weight_scale_inv" in ckpt:
+            if fmt == "fp8" and cfg.moe_intermediate_size % FP8_BLOCK == 0 and base + f"{j}.down_proj.weight_scale_inv" in ckpt:
                 parts = ["down_proj"] if which == "down_proj" else ["gate_proj", "up_proj"]
                 stack.set_fp8(j, *_stored_fp8(ckpt, [f"{base}{j}.{p}.weight" for p in parts]))
             else:
                 stack.set(j, expert_matrix(ckpt, base, cfg, which, j))
+    for name in [n for n in ckpt.infos if n.startswith(base)]:
+        ckpt.release(name)  # the converted copy is all that stays
     if cache_file is not None:
         try:
             write_atomically(cache_file, lambda tmp: save_file(experts.state_dict(), tmp))
