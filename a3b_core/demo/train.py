@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..config import parse_config
@@ -125,6 +125,17 @@ def build_models(config: dict, seed: int) -> tuple[TextModel, VisionTower]:
     return text, vision
 
 
+@torch.no_grad()
+def load_release(text: TextModel, vision: VisionTower, folder: Path) -> None:
+    """Continues from an exported BF16 folder (the inverse of release_tensors)."""
+    tensors = load_file(folder / "model.safetensors")
+    vision_prefix, text_prefix = "model.visual.", "model.language_model."
+    vision.load_state_dict({n.removeprefix(vision_prefix): t.float() for n, t in tensors.items()
+                            if n.startswith(vision_prefix)})
+    text.load_state_dict({n.removeprefix(text_prefix): t.float() for n, t in tensors.items()
+                          if not n.startswith(vision_prefix)})
+
+
 # ----------------------------------------------------------------------------------------------------- data
 def answer_labels(ids: list[int], answers: list[str], tokenizer: Tokenizer, im_end: int) -> list[int]:
     """Next-token labels that are IGNORE except where the next token is part of an answer or its <|im_end|>.
@@ -161,8 +172,9 @@ def qa_sequence(tokenizer: Tokenizer, qa: list[tuple[str, str]], image_tokens: i
 class SceneData(torch.utils.data.Dataset):
     """Item i: one scene drawn from seed (seed, i), as patches plus its caption and question sequences."""
 
-    def __init__(self, config: dict, seed: int, length: int, one_shape_items: int = 0):
+    def __init__(self, config: dict, seed: int, length: int, one_shape_items: int = 0, offset: int = 0):
         self.config, self.seed, self.length, self.one_shape_items = config, seed, length, one_shape_items
+        self.offset = offset  # a continued run reads on where the first one stopped
         self.tokenizer: Tokenizer | None = None  # built in the worker
 
     def __len__(self) -> int:
@@ -171,7 +183,7 @@ class SceneData(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         if self.tokenizer is None:
             self.tokenizer = Tokenizer(build_demo_tokenizer())
-        rng = random.Random(f"{self.seed}-{i}")
+        rng = random.Random(f"{self.seed}-{i + self.offset}")
         sample = dataset.make_sample(rng, max_shapes=1 if i < self.one_shape_items else dataset.MAX_SHAPES)
         return encode_sample(sample, self.config, self.tokenizer, rng)
 
@@ -363,6 +375,8 @@ def train(args: argparse.Namespace) -> None:
     tokenizer = Tokenizer(build_demo_tokenizer())
     config = demo_config(tokenizer)
     text, vision = build_models(config, args.seed)
+    if args.init_from is not None:
+        load_release(text, vision, args.init_from)
     probe = nn.Linear(config["text_config"]["hidden_size"], sum(CELL_TARGETS))  # training only, not exported
     params = [p for m in (text, vision, probe) for p in m.parameters()]
     print(f"parameters: text {sum(p.numel() for p in text.parameters()):,}, "
@@ -379,12 +393,14 @@ def train(args: argparse.Namespace) -> None:
         return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     image_token_id, merge = config["image_token_id"], config["vision_config"]["spatial_merge_size"]
-    data = SceneData(config, args.seed, args.steps * args.batch, one_shape_items=args.one_shape_steps * args.batch)
+    data = SceneData(config, args.seed, args.steps * args.batch, one_shape_items=args.one_shape_steps * args.batch,
+                     offset=args.data_offset)
     loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False, num_workers=1,
                                          collate_fn=lambda items: collate(items, image_token_id, merge),
                                          prefetch_factor=4, persistent_workers=False)
     validation = fixed_batches(config, VALIDATION_SEED, args.validation, 50)
-    best, started = -1.0, time.perf_counter()
+    best = -1.0 if args.init_from is None else validation_accuracy(text, vision, validation, image_token_id)
+    started = time.perf_counter()
     text.train(), vision.train()
     for step, batch in enumerate(loader):
         for group in optimiser.param_groups:
@@ -434,6 +450,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=60)
     parser.add_argument("--one-shape-steps", type=int, default=150, help="curriculum: first steps see one shape")
+    parser.add_argument("--init-from", type=Path, default=None, help="continue from an exported BF16 folder")
+    parser.add_argument("--data-offset", type=int, default=0, help="skip this many scenes of the training stream")
     parser.add_argument("--probe-weight", type=float, default=1.0)
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=100)
