@@ -1,0 +1,30 @@
+"""The pixel-art pictures of the LoRA captioning workflow: scenes of the demo model's own generator, so the shipped
+workflow has known right answers. `python -m tests.integration.pixel_art_inputs` redraws workflows/inputs/."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from a3b_core.demo.dataset import Scene, Shape, describe, draw
+
+INPUTS = Path(__file__).resolve().parents[2] / "workflows" / "inputs"
+SCENES = {
+    "a3b_pixel_heart.png": Scene((Shape("heart", "red", "centre", "large"),), "white", True),
+    "a3b_pixel_star_circle.png": Scene((Shape("star", "yellow", "top left", "small"),
+                                        Shape("circle", "purple", "bottom right", "large")), "black", True),
+    "a3b_pixel_triangle.png": Scene((Shape("triangle", "green", "top", "large"),), "blue", True),
+    "a3b_pixel_square.png": Scene((Shape("square", "orange", "left", "small"),), "purple", True),
+}
+
+
+def expected_captions() -> dict[str, str]:
+    return {name: describe(scene) for name, scene in SCENES.items()}
+
+
+def main() -> None:
+    for index, (name, scene) in enumerate(SCENES.items()):
+        draw(scene, random.Random(index)).save(INPUTS / name, optimize=True)
+
+
+if __name__ == "__main__":
+    main()
