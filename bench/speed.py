@@ -24,6 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from bench.roofline import gguf_bytes_per_token  # noqa: E402
 DEMO_MODEL = HERE.parent / "a3b_core" / "demo" / "a3b-demo" / "config.json"
 COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 DEFAULT_OURS = "fp32,bf16,bf16+fp8,bf16+int8,bf16+int4"
+SETTINGS = ("threads", "rounds", "prefill", "decode")  # what a saved results file needs for its report
 GB = 1e9
 
 
@@ -125,8 +127,9 @@ def build_systems(args, model_dir: Path) -> list[System]:
     return systems
 
 
-def run_rounds(systems: list[System], rounds: int, threads: int, env: dict) -> list[float]:
-    bandwidths = []
+def run_rounds(systems: list[System], rounds: int, threads: int, env: dict, bandwidths: list[float],
+               save: Callable[[], None]) -> None:
+    """Fills `bandwidths` and each system's runs, calling `save` after every measurement."""
     for round_number in range(1, rounds + 1):
         bandwidths.append(worker_result(run_child(worker(threads, "bandwidth"), env)[0])["bandwidth_bytes_s"])
         print(f"[bench] round {round_number}/{rounds}: bandwidth {bandwidths[-1] / GB:.1f} GB/s", flush=True)
@@ -140,7 +143,7 @@ def run_rounds(systems: list[System], rounds: int, threads: int, env: dict) -> l
             shown = {k: round(v, 3) for k, v in result.items() if isinstance(v, float)}
             print(f"[bench]   {system.name}: {shown} peak {peak / GB:.2f} GB ({time.perf_counter() - started:.0f} s)",
                   flush=True)
-    return bandwidths
+            save()
 
 
 # ------------------------------------------------------------------------------------------------- the report
@@ -213,6 +216,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="print torch.profiler's top ops of our decode instead")
     parser.add_argument("--profile-steps", type=int, default=16)
     parser.add_argument("--top", type=int, default=25, help="profile: rows per table")
+    parser.add_argument("--report", type=Path, help="print the report of a saved results file and exit")
     args = parser.parse_args()
     args.prefill, args.decode = (128, 32) if args.quick else (512, 128)
     if args.llama_cpp is not None:
@@ -223,19 +227,36 @@ def main() -> None:
     if args.profile:
         profile(args, env)
         return
+    if args.report is not None:
+        print(saved_report(args.report))
+        return
     model_dir = checkpoint_folder(args.small)
     if args.rounds < 3:
         print("[bench] note: fewer than 3 rounds; the medians are not the reported kind")
     heading = f"model {model_dir.name}, engine {engine_version()} at the start"
     systems = build_systems(args, model_dir)
-    bandwidths = run_rounds(systems, args.rounds, args.threads, env)
-    table = report(systems, max(bandwidths), heading, args)
-    print("\n" + table)
     out = bench_dir() / f"speed-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "bandwidths": bandwidths,
-                               "systems": [{"name": s.name, "weight_bytes_per_token": s.weight_bytes_per_token,
-                                            "runs": s.runs} for s in systems], "table": table}, indent=1))
-    print(f"\n[bench] raw results: {out}")
+    print(f"[bench] raw results, saved after every measurement (python bench/speed.py --report FILE reprints them): "
+          f"{out}", flush=True)
+    bandwidths: list[float] = []
+
+    def save() -> None:
+        out.write_text(json.dumps({"heading": heading, "settings": {k: getattr(args, k) for k in SETTINGS},
+                                   "bandwidths": bandwidths,
+                                   "systems": [{"name": s.name, "weight_bytes_per_token": s.weight_bytes_per_token,
+                                                "runs": s.runs} for s in systems]}, indent=1))
+
+    run_rounds(systems, args.rounds, args.threads, env, bandwidths, save)
+    print("\n" + report(systems, max(bandwidths), heading, args))
+
+
+def saved_report(path: Path) -> str:
+    """The report of a saved results file, also of a run that stopped early (medians of the rounds it finished)."""
+    saved = json.loads(path.read_text())
+    systems = [System(s["name"], [], None, s["weight_bytes_per_token"], s["runs"]) for s in saved["systems"]]
+    settings = argparse.Namespace(**saved["settings"])
+    settings.rounds = min(len(s.runs) for s in systems if s.runs)
+    return report([s for s in systems if s.runs], max(saved["bandwidths"]), saved["heading"], settings)
 
 
 if __name__ == "__main__":
