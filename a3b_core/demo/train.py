@@ -1,6 +1,9 @@
 """Trains, exports and evaluates the embedded demo model "a3b-demo" on the seeded shape scenes of `dataset.py`.
 
-    python -m a3b_core.demo.train train            # ~25 min on 2 CPU cores; writes a3b-demo/ and a3b-demo-fp8/
+    # the shipped checkpoint (--threads 1; 27 + 14 min on a busy 2-core machine): 1000 steps, then 650 more
+    python -m a3b_core.demo.train train --threads 1 --steps 1000
+    python -m a3b_core.demo.train train --threads 1 --init-from a3b_core/demo/a3b-demo --data-offset 24000 \
+        --one-shape-steps 0 --steps 650 --lr 1e-3 --warmup 30
     python -m a3b_core.demo.train evaluate --n 500 # exact-match caption accuracy through the full engine pipeline
 
 The model is the Qwen3.5-MoE architecture at toy size (Gated DeltaNet + gated attention, MoE with a shared expert,
