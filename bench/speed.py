@@ -129,11 +129,16 @@ def build_systems(args, model_dir: Path) -> list[System]:
 
 def run_rounds(systems: list[System], rounds: int, threads: int, env: dict, bandwidths: list[float],
                save: Callable[[], None]) -> None:
-    """Fills `bandwidths` and each system's runs, calling `save` after every measurement."""
+    """Fills `bandwidths` and each system's runs, calling `save` after every measurement; measurements already
+    there (a resumed run) are kept."""
     for round_number in range(1, rounds + 1):
-        bandwidths.append(worker_result(run_child(worker(threads, "bandwidth"), env)[0])["bandwidth_bytes_s"])
-        print(f"[bench] round {round_number}/{rounds}: bandwidth {bandwidths[-1] / GB:.1f} GB/s", flush=True)
+        if len(bandwidths) < round_number:
+            bandwidths.append(worker_result(run_child(worker(threads, "bandwidth"), env)[0])["bandwidth_bytes_s"])
+        print(f"[bench] round {round_number}/{rounds}: bandwidth {bandwidths[round_number - 1] / GB:.1f} GB/s",
+              flush=True)
         for system in systems:
+            if len(system.runs) >= round_number:
+                continue
             started = time.perf_counter()
             stdout, peak = run_child(system.command, env)
             result = system.parse(stdout) | {"peak_rss_bytes": peak}
@@ -217,6 +222,7 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=16)
     parser.add_argument("--top", type=int, default=25, help="profile: rows per table")
     parser.add_argument("--report", type=Path, help="print the report of a saved results file and exit")
+    parser.add_argument("--resume", type=Path, help="continue an interrupted run from its results file")
     args = parser.parse_args()
     args.prefill, args.decode = (128, 32) if args.quick else (512, 128)
     if args.llama_cpp is not None:
@@ -236,9 +242,17 @@ def main() -> None:
     heading = f"model {model_dir.name}, engine {engine_version()} at the start"
     systems = build_systems(args, model_dir)
     out = bench_dir() / f"speed-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    print(f"[bench] raw results, saved after every measurement (python bench/speed.py --report FILE reprints them): "
-          f"{out}", flush=True)
     bandwidths: list[float] = []
+    if args.resume is not None:  # same settings assumed: the saved runs count as this run's first rounds
+        out, saved = args.resume, json.loads(args.resume.read_text())
+        heading, bandwidths = saved["heading"] + " (resumed)", saved["bandwidths"]
+        runs = {s["name"]: s["runs"] for s in saved["systems"]}
+        for system in systems:
+            system.runs = runs.get(system.name, [])
+            system.weight_bytes_per_token = system.weight_bytes_per_token or next(
+                (r["weight_bytes_per_token"] for r in system.runs if "weight_bytes_per_token" in r), None)
+    print(f"[bench] raw results, saved after every measurement (--report FILE reprints them, --resume FILE "
+          f"continues them): {out}", flush=True)
 
     def save() -> None:
         out.write_text(json.dumps({"heading": heading, "settings": {k: getattr(args, k) for k in SETTINGS},
