@@ -6,7 +6,6 @@ Nothing here is part of the node pack: the build, the GGUF files and the tree st
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import tarfile
@@ -121,6 +120,3 @@ def parse_bench(stdout: str) -> dict:
     tg = next(r for r in rows if r["n_gen"] and not r["n_prompt"])
     return dict(prefill_tok_s=pp["avg_ts"], decode_tok_s=tg["avg_ts"])
 
-
-def child_env(threads: int) -> dict:
-    return os.environ | {"OMP_NUM_THREADS": str(threads)}
