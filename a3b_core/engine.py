@@ -5,7 +5,7 @@ import hashlib
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -55,7 +55,6 @@ class EncodedImages:
 class LoadStats:
     seconds: float = 0.0
     tensors: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
 def resolve_model_path(path: str | Path | None) -> Path:
