@@ -5,6 +5,7 @@ fails with a CheckpointError naming it instead of crashing or reading out of bou
 """
 from __future__ import annotations
 
+import bisect
 import json
 import mmap
 import struct
@@ -151,6 +152,7 @@ class Checkpoint:
                                           "remove the duplicate shard.")
                 self.infos[name] = info
         self._maps: dict[Path, mmap.mmap] = {}
+        self._sorted_names: list[str] = []  # for release_under, built on first use
 
     def __contains__(self, name: str) -> bool:
         return name in self.infos
@@ -198,6 +200,15 @@ class Checkpoint:
         end = (info.offset + info.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
         if end > start:
             mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def release_under(self, prefix: str) -> None:
+        """release() for every tensor whose name starts with `prefix`."""
+        names = self._sorted_names or sorted(self.infos)
+        self._sorted_names = names
+        for name in names[bisect.bisect_left(names, prefix):]:
+            if not name.startswith(prefix):
+                break
+            self.release(name)
 
     def _fp8_scale(self, name: str) -> torch.Tensor:
         for suffix in ("_scale_inv", "_scale"):

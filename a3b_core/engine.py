@@ -16,12 +16,13 @@ from .checkpoint import Checkpoint
 from .config import ModelConfig, load_config
 from .errors import CheckpointError, ConfigError, ImageError, PromptError
 from .model import TextModel
+from .packed import pack_cpu_weights
 from .placement import Plan, make_plan
 from .positions import mrope_position_ids
 from .prompt import Prompt, Turn, build_prompt
 from .tokenizer import Tokenizer
 from .vision import VisionTower
-from .weights import FORMAT_OF_DTYPE, VISION_PREFIXES, Progress, find_prefix, load_module, load_text_model
+from .weights import FORMAT_OF_DTYPE, TEXT_PREFIXES, VISION_PREFIXES, Progress, find_prefix, load_module, load_text_model
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERT_CACHE_VERSION = 1
@@ -290,6 +291,9 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
         raise CheckpointError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong "
                               "to another model: download them again.") from exc
     place_text_model(text.eval(), dense, torch.device(plan.embed_device))
+    if dtype == torch.bfloat16:
+        prefix = find_prefix(ckpt, "embed_tokens.weight", TEXT_PREFIXES, "language model")
+        pack_cpu_weights(text, lambda name: ckpt.release_under(f"{prefix}{name}."), dense=dense.type == "cpu")
     tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
     stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
     return A3BModel(folder, config, text, vision, tokenizer, plan, dtype, stats)

@@ -149,11 +149,11 @@ class GatedDeltaNet(nn.Module):
             b, self.nv, self.dk, self.dv, dtype=torch.float32)
         q, k, v, beta, g = (z.transpose(1, 2) for z in (q, k, v, beta, g))  # heads first
         if t == 1:
-            o, state = delta_rule_step(q, k, v, beta, g, state)
+            o = delta_rule_step(q, k, v, beta, g, state)  # the cache's state is updated in place
         else:
             o, state = delta_rule_chunked(q, k, v, beta, g, state)
-        if cache is not None:
-            cache.set_recurrent_state(self.layer, state)
+            if cache is not None:
+                cache.set_recurrent_state(self.layer, state)
         o = gated_rms_norm(o.transpose(1, 2), self.in_proj_z(x).view(b, t, self.nv, self.dv), self.norm.weight,
                            self.cfg.rms_norm_eps)
         return self.out_proj(o.reshape(b, t, self.value_dim).to(x.dtype))
@@ -161,16 +161,12 @@ class GatedDeltaNet(nn.Module):
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
     """Depthwise causal conv of x [B, T, C] with weight [C, 1, K]; `history` [B, K-1, C] holds the previous inputs
-    and is updated in place. Written as K multiply-adds in fp32 over contiguous channels: torch's depthwise conv is
-    slow on CPUs."""
+    and is updated in place. Written as a windowed multiply-sum in fp32: torch's depthwise conv is slow on CPUs."""
     b, t, c = x.shape
     kernel = weight.shape[-1]
     past = history if history is not None else x.new_zeros(b, kernel - 1, c, dtype=torch.float32)
     full = torch.cat([past, x.float()], dim=1)  # [B, K-1+T, C]
-    w = weight.float().view(c, kernel).t()  # [K, C]
-    out = full[:, 0:t] * w[0]
-    for i in range(1, kernel):
-        out += full[:, i:i + t] * w[i]
+    out = (full.unfold(1, kernel, 1) * weight.float().view(c, kernel)).sum(-1)  # windows [B, T, C, K]
     if history is not None:
         history.copy_(full[:, -(kernel - 1):])
     return out.to(x.dtype)
@@ -188,13 +184,13 @@ def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: 
 
 
 def delta_rule_step(q, k, v, beta, g, state):
-    """One token: q, k [B, H, 1, dk], v [B, H, 1, dv], beta/g [B, H, 1], state [B, H, dk, dv] (fp32)."""
-    state = state * g[..., 0, None, None].exp()
-    kt, qt = k[:, :, 0], q[:, :, 0]
-    u = beta[:, :, 0, None] * (v[:, :, 0] - torch.einsum("bhk,bhkv->bhv", kt, state))
-    state = state + kt[..., :, None] * u[..., None, :]
-    o = torch.einsum("bhk,bhkv->bhv", qt, state)
-    return o[:, :, None], state
+    """One token: q, k [B, H, 1, dk], v [B, H, 1, dv], beta/g [B, H, 1]; `state` [B, H, dk, dv] (fp32) is updated
+    in place (fresh 1 MB tensors per layer and token cost more than the arithmetic). Returns o [B, H, 1, dv]."""
+    state.mul_(g.exp()[..., None])
+    u = (v - k @ state) * beta[..., None]  # [B, H, 1, dv]
+    b, h, dk, dv = state.shape
+    state.view(b * h, dk, dv).baddbmm_(k.reshape(b * h, 1, dk).transpose(1, 2), u.reshape(b * h, 1, dv))
+    return q @ state
 
 
 def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = GDN_CHUNK):
@@ -255,10 +251,12 @@ class SparseMoE(nn.Module):
     def routed_experts(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """Groups the (token, slot) pairs by expert and runs each used expert once on its tokens, on the device
         that holds the experts (hidden states of offloaded experts travel to the CPU and back)."""
-        inter = self.cfg.moe_intermediate_size
         home = x.device
         device = self.experts.device
         x, top_i, top_p = x.to(device), top_i.to(device), top_p.to(device)
+        if x.shape[0] == 1:  # decoding one token: its k experts in turn, nothing to group
+            out = sum(self.expert(e, x) * w for e, w in zip(top_i[0].tolist(), top_p[0, :, None]))
+            return out.to(home)
         out = torch.zeros_like(x)
         flat_e = top_i.reshape(-1)
         order = flat_e.argsort(stable=True)
@@ -270,11 +268,16 @@ class SparseMoE(nn.Module):
             if n == 0:
                 continue
             idx = tokens[start:start + n]
-            gate_up = self.experts.gate_up(e, x[idx]).to(x.dtype)
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            out.index_add_(0, idx, self.experts.down(e, act).to(x.dtype) * weights[start:start + n, None])
+            out.index_add_(0, idx, self.expert(e, x[idx]) * weights[start:start + n, None])
             start += n
         return out.to(home)
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Routed expert e's SwiGLU on the rows of x."""
+        inter = self.cfg.moe_intermediate_size
+        gate_up = self.experts.gate_up(e, x).to(x.dtype)
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        return self.experts.down(e, act).to(x.dtype)
 
 
 class DenseMLP(nn.Module):

@@ -33,9 +33,10 @@ def find_prefix(ckpt: Checkpoint, probe: str, prefixes: tuple[str, ...], what: s
                           f" so the {what} weights cannot be found. Is this a Qwen3.5/3.6 checkpoint?")
 
 
-def param_dtype(tensor_shape: tuple[int, ...], compute_dtype: torch.dtype) -> torch.dtype:
-    """Vectors (norm weights, biases, gates' scalars) stay fp32; matrices use the compute dtype."""
-    return torch.float32 if len(tensor_shape) <= 1 else compute_dtype
+def param_dtype(name: str, tensor_shape: tuple[int, ...], compute_dtype: torch.dtype) -> torch.dtype:
+    """Vectors (norm weights, biases, gates' scalars) and the DeltaNet conv kernels (tiny, and applied in fp32) stay
+    fp32; matrices use the compute dtype."""
+    return torch.float32 if len(tensor_shape) <= 1 or name.endswith("conv1d.weight") else compute_dtype
 
 
 def _set_param(root: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -66,7 +67,7 @@ def load_module(module: nn.Module, ckpt: Checkpoint, prefix: str, compute_dtype:
     params = list(module.named_parameters())
     for n, (name, param) in enumerate(params):
         shape = tuple(param.shape)
-        dtype = param_dtype(shape, compute_dtype)
+        dtype = param_dtype(name, shape, compute_dtype)
         value = special(name, shape, dtype)
         if value is None:
             value = _checked(ckpt, prefix + name, shape, dtype)

@@ -56,9 +56,10 @@ def torch_bytes_per_token(module: torch.nn.Module, top_k: int, num_experts: int,
     seen: set[int] = set()  # tied or shared storage counts once
     tensors = []
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        if tensor.device.type == "meta" or tensor.data_ptr() in seen:
+        key = id(tensor) if tensor.is_mkldnn else tensor.data_ptr()  # oneDNN-packed tensors have no data pointer
+        if tensor.device.type == "meta" or key in seen:
             continue
-        seen.add(tensor.data_ptr())
+        seen.add(key)
         tensors.append((name, tensor.numel() * tensor.element_size()))
     return tensor_bytes_per_token(tensors, top_k, num_experts, vocab_size,
                                   is_expert=lambda n: ".mlp.experts." in n,
