@@ -39,6 +39,18 @@ def linear(dim_in: int, dim_out: int) -> nn.Linear:
     return nn.Linear(dim_in, dim_out, bias=False)
 
 
+def project(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    """x times each Linear named in `module.input_projections` (all read the same input). Packing for the CPU
+    (packed.py) may replace them by one fused product, `module.fused_projection`, which returns the same parts."""
+    if module.fused_projection is not None:
+        return module.fused_projection(x)
+    return [module.get_submodule(name)(x) for name in module.input_projections]
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
 # ----------------------------------------------------------------------------------------------------- rotary
 def rotary_cos_sin(cfg: TextConfig, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [B, T, rotary_dim] from (t, h, w) positions [3, B, T]; frequency j reads the axis M-RoPE assigns it."""
@@ -71,8 +83,11 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 # --------------------------------------------------------------------------------------------- full attention
 class GatedAttention(nn.Module):
+    input_projections = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, cfg: TextConfig, layer: int):
         super().__init__()
+        self.fused_projection: nn.Module | None = None
         self.cfg, self.layer = cfg, layer
         nh, nkv, hd, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
         self.q_proj = linear(h, nh * hd * 2)  # per head: hd query channels, then hd gate channels
@@ -87,9 +102,9 @@ class GatedAttention(nn.Module):
         cfg = self.cfg
         b, t, _ = x.shape
         nh, nkv, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q, gate = self.q_proj(x).view(b, t, nh, 2 * hd).split(hd, dim=-1)
-        k = self.k_proj(x).view(b, t, nkv, hd)
-        v = self.v_proj(x).view(b, t, nkv, hd)
+        q, k, v = project(self, x)
+        q, gate = q.view(b, t, nh, 2 * hd).split(hd, dim=-1)
+        k, v = k.view(b, t, nkv, hd), v.view(b, t, nkv, hd)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k), cos, sin)
         start = 0
@@ -111,8 +126,11 @@ class GatedAttention(nn.Module):
 
 # ------------------------------------------------------------------------------------------- gated deltanet
 class GatedDeltaNet(nn.Module):
+    input_projections = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
     def __init__(self, cfg: TextConfig, layer: int):
         super().__init__()
+        self.fused_projection: nn.Module | None = None
         self.cfg, self.layer = cfg, layer
         h = cfg.hidden_size
         self.nk, self.nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -133,7 +151,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: Cache | None) -> torch.Tensor:
         b, t, _ = x.shape
-        qkv = self.in_proj_qkv(x)
+        qkv, z, beta, a = project(self, x)
         history = cache.conv_state(self.layer) if cache is not None else None
         qkv = F.silu(causal_conv(qkv, self.conv1d.weight, history))
         q, k, v = qkv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
@@ -143,8 +161,8 @@ class GatedDeltaNet(nn.Module):
         # value head m reads key head m // (nv / nk): repeat-interleave
         q = q.repeat_interleave(self.nv // self.nk, dim=2)
         k = k.repeat_interleave(self.nv // self.nk, dim=2)
-        beta = torch.sigmoid(self.in_proj_b(x).float())
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x).float() + self.dt_bias.float())
+        beta = torch.sigmoid(beta.float())
+        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
         state = cache.recurrent_state(self.layer) if cache is not None else x.new_zeros(
             b, self.nv, self.dk, self.dv, dtype=torch.float32)
         q, k, v, beta, g = (z.transpose(1, 2) for z in (q, k, v, beta, g))  # heads first
@@ -154,7 +172,7 @@ class GatedDeltaNet(nn.Module):
             o, state = delta_rule_chunked(q, k, v, beta, g, state)
             if cache is not None:
                 cache.set_recurrent_state(self.layer, state)
-        o = gated_rms_norm(o.transpose(1, 2), self.in_proj_z(x).view(b, t, self.nv, self.dv), self.norm.weight,
+        o = gated_rms_norm(o.transpose(1, 2), z.view(b, t, self.nv, self.dv), self.norm.weight,
                            self.cfg.rms_norm_eps)
         return self.out_proj(o.reshape(b, t, self.value_dim).to(x.dtype))
 
@@ -226,9 +244,11 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = GDN_CHUNK):
 # ----------------------------------------------------------------------------------------------------- mlps
 class SparseMoE(nn.Module):
     """Softmax router, top-k renormalised, SwiGLU experts, plus a shared expert scaled by a sigmoid gate."""
+    input_projections = ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")
 
     def __init__(self, cfg: TextConfig):
         super().__init__()
+        self.fused_projection: nn.Module | None = None
         self.cfg = cfg
         h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.gate = linear(h, e)
@@ -240,12 +260,14 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        router, shared_gate, shared_up, shared_scale = project(self, x)
+        probs = torch.softmax(router.float(), dim=-1)
         top_p, top_i = probs.topk(self.cfg.num_experts_per_tok, dim=-1)
         top_p = (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
         self.last_topk = top_i
         out = self.routed_experts(x, top_i, top_p)
-        out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        shared = self.shared_expert.down_proj(silu_mul(shared_gate, shared_up))
+        out = out + torch.sigmoid(shared_scale) * shared
         return out.view(shape)
 
     def routed_experts(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -254,9 +276,11 @@ class SparseMoE(nn.Module):
         home = x.device
         device = self.experts.device
         x, top_i, top_p = x.to(device), top_i.to(device), top_p.to(device)
-        if x.shape[0] == 1:  # decoding one token: its k experts in turn, nothing to group
-            out = sum(self.expert(e, x) * w for e, w in zip(top_i[0].tolist(), top_p[0, :, None]))
-            return out.to(home)
+        if x.shape[0] == 1:  # decoding one token: nothing to group, and the k experts' small ops run batched
+            chosen = top_i[0].tolist()
+            act = swiglu(torch.cat([self.experts.gate_up(e, x) for e in chosen]).to(x.dtype))  # [k, I]
+            down = torch.cat([self.experts.down(e, act[j:j + 1]) for j, e in enumerate(chosen)]).to(x.dtype)
+            return (down * top_p[0, :, None]).sum(0, keepdim=True).to(home)
         out = torch.zeros_like(x)
         flat_e = top_i.reshape(-1)
         order = flat_e.argsort(stable=True)
@@ -274,10 +298,12 @@ class SparseMoE(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Routed expert e's SwiGLU on the rows of x."""
-        inter = self.cfg.moe_intermediate_size
-        gate_up = self.experts.gate_up(e, x).to(x.dtype)
-        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        return self.experts.down(e, act).to(x.dtype)
+        return self.experts.down(e, swiglu(self.experts.gate_up(e, x).to(x.dtype))).to(x.dtype)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for fused [..., 2I] rows, gate first."""
+    return silu_mul(*gate_up.chunk(2, dim=-1))
 
 
 class DenseMLP(nn.Module):
@@ -288,7 +314,7 @@ class DenseMLP(nn.Module):
         self.down_proj = linear(inter, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
 
 
 # ---------------------------------------------------------------------------------------------------- model

@@ -52,6 +52,19 @@ class PackedLinear(nn.Module):
         return packed_matmul(x, self.packed_weight)
 
 
+class FusedPackedLinear(nn.Module):
+    """Several bias-free bf16 Linears that read the same input as one packed product, split into their outputs:
+    fewer, larger products (the small ones, such as a router or a per-head gate, cost mostly call overhead)."""
+
+    def __init__(self, weights: list[torch.Tensor]):
+        super().__init__()
+        self.sizes = [w.shape[0] for w in weights]
+        self.register_buffer("packed_weight", pack(torch.cat(weights)), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        return list(packed_matmul(x, self.packed_weight).split(self.sizes, dim=-1))
+
+
 class PackedExperts(nn.Module):
     """FloatExperts' products with each expert's two matrices packed."""
 
@@ -81,9 +94,12 @@ class PackedStack(nn.Module):
 
 def pack_cpu_weights(module: nn.Module, release: Callable[[str], None], dense: bool) -> None:
     """Swaps, in place, every bf16 CPU FloatExperts (and with `dense`, every bias-free bf16 CPU Linear) of `module`
-    for its packed form; `release(name)` is told each swapped submodule's name, whose source can then be dropped."""
+    for its packed form; `release(name)` is told each swapped submodule's name, whose source can then be dropped.
+    With `dense`, the Linears a submodule lists in `input_projections` become one fused product."""
     if not packing_available():
         return
+    if dense:
+        fuse_input_projections(module, release)
     for name in [name for name, _ in module.named_modules()]:  # names only: a swapped module must be freeable
         child = module.get_submodule(name)
         if isinstance(child, FloatExperts) and child.gate_up_proj.dtype == torch.bfloat16 \
@@ -98,3 +114,18 @@ def pack_cpu_weights(module: nn.Module, release: Callable[[str], None], dense: b
         setattr(module.get_submodule(parent), leaf, packed)
         del child, packed
         release(name)
+
+
+def fuse_input_projections(module: nn.Module, release: Callable[[str], None]) -> None:
+    for name in [name for name, child in module.named_modules() if hasattr(child, "input_projections")]:
+        owner = module.get_submodule(name)
+        linears = [owner.get_submodule(p) for p in owner.input_projections]
+        if not all(isinstance(lin, nn.Linear) and lin.bias is None and lin.weight.dtype == torch.bfloat16
+                   and lin.weight.device.type == "cpu" for lin in linears):
+            continue
+        owner.fused_projection = FusedPackedLinear([lin.weight.data for lin in linears])
+        del linears
+        for p in owner.input_projections:
+            parent, _, leaf = p.rpartition(".")
+            setattr(owner.get_submodule(parent), leaf, None)
+            release(f"{name}.{p}")

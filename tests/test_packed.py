@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from a3b_core import load_model
 from a3b_core.experts import FloatExperts
-from a3b_core.packed import PackedExperts, PackedLinear, packing_available
+from a3b_core.packed import FusedPackedLinear, PackedExperts, PackedLinear, packing_available
 
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build cannot pack bf16 for oneDNN")
 
@@ -16,6 +16,15 @@ def test_packed_linear_equals_plain_bf16(shape):
     w = (torch.randn(384, 256) * 0.05).bfloat16()
     x = torch.randn(shape).bfloat16()
     assert torch.equal(PackedLinear(w)(x), F.linear(x, w))
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_fused_projections_equal_each_plain_product(tokens):
+    torch.manual_seed(0)
+    weights = [(torch.randn(rows, 256) * 0.05).bfloat16() for rows in (384, 128, 4, 1)]
+    x = torch.randn(1, tokens, 256).bfloat16()
+    parts = FusedPackedLinear(weights)(x)
+    assert all(torch.equal(part, F.linear(x, w)) for part, w in zip(parts, weights, strict=True))
 
 
 @pytest.mark.parametrize("tokens", [1, 9])
@@ -36,5 +45,8 @@ def test_bf16_cpu_load_packs_every_matrix_and_fp32_none(fixtures):
     bf16 = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", weight_format="bf16").text
     assert not any(isinstance(m, (torch.nn.Linear, FloatExperts)) for m in bf16.modules())
     assert sum(isinstance(m, PackedExperts) for m in bf16.modules()) == len(bf16.layers)
+    owners = [m for m in bf16.modules() if hasattr(m, "input_projections")]
+    assert len(owners) == 2 * len(bf16.layers)  # each layer's mixer and MoE
+    assert all(isinstance(m.fused_projection, FusedPackedLinear) for m in owners)
     fp32 = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32").text
     assert not any(isinstance(m, (PackedLinear, PackedExperts)) for m in fp32.modules())
