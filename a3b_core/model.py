@@ -19,10 +19,8 @@ GDN_CHUNK = 64
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Zero-centred RMSNorm, y = x / rms(x) * (1 + w), in fp32."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (1.0 + weight.float())).to(x.dtype)
+    """Zero-centred RMSNorm, y = x / rms(x) * (1 + w), in fp32 (w is fp32 as loaded)."""
+    return F.rms_norm(x.float(), weight.shape, 1.0 + weight, eps).to(x.dtype)
 
 
 class ZeroCentredRMSNorm(nn.Module):
@@ -154,15 +152,14 @@ class GatedDeltaNet(nn.Module):
         qkv, z, beta, a = project(self, x)
         history = cache.conv_state(self.layer) if cache is not None else None
         qkv = F.silu(causal_conv(qkv, self.conv1d.weight, history))
-        q, k, v = qkv.float().split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = l2_normalize(q.view(b, t, self.nk, self.dk)) * self.dk ** -0.5
-        k = l2_normalize(k.view(b, t, self.nk, self.dk))
-        v = v.view(b, t, self.nv, self.dv)
+        qk, v = qkv.float().split([2 * self.key_dim, self.value_dim], dim=-1)
+        qk = l2_normalize(qk.view(b, t, 2 * self.nk, self.dk))  # the query heads, then the key heads
         # value head m reads key head m // (nv / nk): repeat-interleave
-        q = q.repeat_interleave(self.nv // self.nk, dim=2)
-        k = k.repeat_interleave(self.nv // self.nk, dim=2)
+        q, k = qk.repeat_interleave(self.nv // self.nk, dim=2).split(self.nv, dim=2)
+        q = q * self.dk ** -0.5
+        v = v.view(b, t, self.nv, self.dv)
         beta = torch.sigmoid(beta.float())
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias.float())
+        g = -self.A_log.exp() * F.softplus(a.float() + self.dt_bias)  # A_log, dt_bias: fp32 as loaded
         state = cache.recurrent_state(self.layer) if cache is not None else x.new_zeros(
             b, self.nv, self.dk, self.dv, dtype=torch.float32)
         q, k, v, beta, g = (z.transpose(1, 2) for z in (q, k, v, beta, g))  # heads first
@@ -191,14 +188,14 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | N
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
+    """x / sqrt(sum(x^2) + eps), as one fused rms_norm: sum + eps = d * (mean + eps / d)."""
+    d = x.shape[-1]
+    return F.rms_norm(x, (d,), eps=eps / d) * d ** -0.5
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """w * rms_norm(x) * silu(z): a plain (not zero-centred) weight, the gate applied after normalising."""
-    xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight.float() * y * F.silu(z.float())
+    return F.rms_norm(x.float(), weight.shape, weight, eps) * F.silu(z.float())  # weight: fp32 as loaded
 
 
 def delta_rule_step(q, k, v, beta, g, state):
@@ -275,12 +272,13 @@ class SparseMoE(nn.Module):
         that holds the experts (hidden states of offloaded experts travel to the CPU and back)."""
         home = x.device
         device = self.experts.device
-        x, top_i, top_p = x.to(device), top_i.to(device), top_p.to(device)
+        x, top_p = x.to(device), top_p.to(device)
         if x.shape[0] == 1:  # decoding one token: nothing to group, and the k experts' small ops run batched
             chosen = top_i[0].tolist()
             act = swiglu(torch.cat([self.experts.gate_up(e, x) for e in chosen]).to(x.dtype))  # [k, I]
-            down = torch.cat([self.experts.down(e, act[j:j + 1]) for j, e in enumerate(chosen)]).to(x.dtype)
+            down = torch.cat([self.experts.down(e, row) for e, row in zip(chosen, act.split(1))]).to(x.dtype)
             return (down * top_p[0, :, None]).sum(0, keepdim=True).to(home)
+        top_i = top_i.to(device)
         out = torch.zeros_like(x)
         flat_e = top_i.reshape(-1)
         order = flat_e.argsort(stable=True)

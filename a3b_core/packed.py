@@ -66,7 +66,8 @@ class FusedPackedLinear(nn.Module):
 
 
 class PackedExperts(nn.Module):
-    """FloatExperts' products with each expert's two matrices packed."""
+    """FloatExperts' products with each expert's two matrices packed; x is bf16 (the compute dtype of any model
+    that packs)."""
 
     def __init__(self, experts: FloatExperts):
         super().__init__()
@@ -78,10 +79,10 @@ class PackedExperts(nn.Module):
         return torch.device("cpu")
 
     def gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return packed_matmul(x.to(torch.bfloat16), self.gate_up_proj.matrices[e])
+        return packed_matmul(x, self.gate_up_proj.matrices[e])
 
     def down(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return packed_matmul(x.to(torch.bfloat16), self.down_proj.matrices[e])
+        return packed_matmul(x, self.down_proj.matrices[e])
 
 
 class PackedStack(nn.Module):
