@@ -285,8 +285,11 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
         if plan.vision_device != "none":
             with torch.device("meta"):
                 vision = VisionTower(config.vision)
-            load_module(vision, ckpt, find_prefix(ckpt, "pos_embed.weight", VISION_PREFIXES, "vision"), dtype)
+            vision_prefix = find_prefix(ckpt, "pos_embed.weight", VISION_PREFIXES, "vision")
+            load_module(vision, ckpt, vision_prefix, dtype)
             vision.eval().to(plan.vision_device)
+            if dtype == torch.bfloat16:
+                pack_cpu_weights(vision, lambda name: ckpt.release_under(f"{vision_prefix}{name}."), dense=True)
     except (RuntimeError, ValueError) as exc:  # torch refusing a tensor that passed the header checks
         raise CheckpointError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong "
                               "to another model: download them again.") from exc

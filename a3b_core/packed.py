@@ -35,21 +35,22 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), 1)
 
 
-def packed_matmul(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """x [..., in] bf16 @ W^T for a packed W."""
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+def packed_matmul(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] bf16 @ W^T (+ bias, bf16) for a packed W."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 class PackedLinear(nn.Module):
-    """A bias-free bf16 Linear with a packed weight."""
+    """A bf16 Linear with a packed weight (the bias, if any, in bf16 as the plain layer would add it)."""
 
-    def __init__(self, weight: torch.Tensor):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("packed_weight", pack(weight), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.to(torch.bfloat16), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return packed_matmul(x, self.packed_weight)
+        return packed_matmul(x, self.packed_weight, self.bias)
 
 
 class FusedPackedLinear(nn.Module):
@@ -94,7 +95,7 @@ class PackedStack(nn.Module):
 
 
 def pack_cpu_weights(module: nn.Module, release: Callable[[str], None], dense: bool) -> None:
-    """Swaps, in place, every bf16 CPU FloatExperts (and with `dense`, every bias-free bf16 CPU Linear) of `module`
+    """Swaps, in place, every bf16 CPU FloatExperts (and with `dense`, every bf16 CPU Linear) of `module`
     for its packed form; `release(name)` is told each swapped submodule's name, whose source can then be dropped.
     With `dense`, the Linears a submodule lists in `input_projections` become one fused product."""
     if not packing_available():
@@ -106,9 +107,9 @@ def pack_cpu_weights(module: nn.Module, release: Callable[[str], None], dense: b
         if isinstance(child, FloatExperts) and child.gate_up_proj.dtype == torch.bfloat16 \
                 and child.device.type == "cpu":
             packed: nn.Module = PackedExperts(child)
-        elif dense and isinstance(child, nn.Linear) and child.bias is None \
-                and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu":
-            packed = PackedLinear(child.weight.data)
+        elif dense and isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16 \
+                and child.weight.device.type == "cpu":
+            packed = PackedLinear(child.weight.data, None if child.bias is None else child.bias.data)
         else:
             continue
         parent, _, leaf = name.rpartition(".")

@@ -10,12 +10,14 @@ from a3b_core.packed import FusedPackedLinear, PackedExperts, PackedLinear, pack
 pytestmark = pytest.mark.skipif(not packing_available(), reason="this torch build cannot pack bf16 for oneDNN")
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 256), (7, 256), (2, 5, 256)])
-def test_packed_linear_equals_plain_bf16(shape):
+def test_packed_linear_equals_plain_bf16(shape, with_bias):
     torch.manual_seed(0)
     w = (torch.randn(384, 256) * 0.05).bfloat16()
+    bias = torch.randn(384) if with_bias else None  # kept fp32 like a loaded vector; added in bf16
     x = torch.randn(shape).bfloat16()
-    assert torch.equal(PackedLinear(w)(x), F.linear(x, w))
+    assert torch.equal(PackedLinear(w, bias)(x), F.linear(x, w, None if bias is None else bias.bfloat16()))
 
 
 @pytest.mark.parametrize("tokens", [1, 6])
@@ -42,8 +44,9 @@ def test_packed_experts_equal_plain_bf16(tokens):
 
 
 def test_bf16_cpu_load_packs_every_matrix_and_fp32_none(fixtures):
-    bf16 = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", weight_format="bf16").text
-    assert not any(isinstance(m, (torch.nn.Linear, FloatExperts)) for m in bf16.modules())
+    model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", weight_format="bf16")
+    bf16 = model.text
+    assert not any(isinstance(m, (torch.nn.Linear, FloatExperts)) for m in [*bf16.modules(), *model.vision.modules()])
     assert sum(isinstance(m, PackedExperts) for m in bf16.modules()) == len(bf16.layers)
     owners = [m for m in bf16.modules() if hasattr(m, "input_projections")]
     assert len(owners) == 2 * len(bf16.layers)  # each layer's mixer and MoE
