@@ -176,12 +176,21 @@ class GatedDeltaNet(nn.Module):
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, history: torch.Tensor | None) -> torch.Tensor:
     """Depthwise causal conv of x [B, T, C] with weight [C, 1, K]; `history` [B, K-1, C] holds the previous inputs
-    and is updated in place. Written as a windowed multiply-sum in fp32: torch's depthwise conv is slow on CPUs."""
+    and is updated in place. Computed in fp32 without torch's depthwise conv, which is slow on CPUs: one windowed
+    product when decoding, K multiply-adds over contiguous rows for long inputs (where the windowed product, on
+    strided windows, is 7x slower)."""
     b, t, c = x.shape
     kernel = weight.shape[-1]
     past = history if history is not None else x.new_zeros(b, kernel - 1, c, dtype=torch.float32)
     full = torch.cat([past, x.float()], dim=1)  # [B, K-1+T, C]
-    out = (full.unfold(1, kernel, 1) * weight.float().view(c, kernel)).sum(-1)  # windows [B, T, C, K]
+    w = weight.float().view(c, kernel)
+    if t == 1:
+        out = (full.unfold(1, kernel, 1) * w).sum(-1)  # windows [B, T, C, K]
+    else:
+        taps = w.t().contiguous()  # [K, C]
+        out = full[:, :t] * taps[0]
+        for i in range(1, kernel):
+            out.addcmul_(full[:, i:i + t], taps[i])
     if history is not None:
         history.copy_(full[:, -(kernel - 1):])
     return out.to(x.dtype)
