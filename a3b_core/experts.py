@@ -18,6 +18,9 @@ FP8_BLOCK = 128
 # torch's int8 CPU kernel costs about one whole matrix-vector product per input row (27 us per row at 1024x1024 on
 # the project's CPU), so from this many rows on, dequantising to bf16 and one bf16 product is faster (2.2x at 128).
 INT8_KERNEL_MAX_ROWS = 32
+# int8 matrices are stored as column chunks of this many inputs, one kernel call each: the kernel reads a [out, 512]
+# matrix faster per byte than a [out, 1024] one (on the project's CPU, +10-12% decode with int8 experts).
+INT8_K_CHUNK = 512
 
 
 class FloatExperts(nn.Module):
@@ -49,7 +52,8 @@ class QuantizedStack(nn.Module):
         e, out, inp = shape
         self.fmt, self.shape = fmt, shape
         if fmt == "int8":
-            self.q = nn.Buffer(torch.empty(e, out, inp, dtype=torch.int8, device=device))
+            self.chunk = INT8_K_CHUNK if inp % INT8_K_CHUNK == 0 else inp
+            self.q = nn.Buffer(torch.empty(e, inp // self.chunk, out, self.chunk, dtype=torch.int8, device=device))
             self.scale = nn.Buffer(torch.empty(e, out, dtype=torch.bfloat16, device=device))
         elif fmt == "int4":
             self.group = int4_group_size(inp)
@@ -65,6 +69,7 @@ class QuantizedStack(nn.Module):
         """Quantises one expert's fp32 matrix [out, in] into slot e."""
         if self.fmt == "int8":
             q, scale = quantize_int8(w)
+            q = q.view(q.shape[0], -1, self.chunk).transpose(0, 1)  # [chunks, out, chunk]
         elif self.fmt == "int4":
             q, scale = quantize_int4(w, self.group)
         else:
@@ -79,17 +84,25 @@ class QuantizedStack(nn.Module):
 
     def dequantize(self, e: int) -> torch.Tensor:
         if self.fmt == "int8":
-            return self.q[e].float() * self.scale[e].float()[:, None]
+            return self.int8_matrix(e).float() * self.scale[e].float()[:, None]
         if self.fmt == "int4":
             return dequantize_int4(self.q[e], self.scale[e], self.group, self.shape[1:])
         return dequantize_fp8(self.q[e], self.scale[e], block=(FP8_BLOCK, FP8_BLOCK))
 
+    def int8_matrix(self, e: int) -> torch.Tensor:
+        """Expert e's int8 matrix [out, in], its chunks put back side by side."""
+        return self.q[e].transpose(0, 1).reshape(self.shape[1:])
+
     def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.q.device.type == "cpu":
             if self.fmt == "int8" and x.shape[0] < INT8_KERNEL_MAX_ROWS:
-                return torch._weight_int8pack_mm(x.to(torch.bfloat16), self.q[e], self.scale[e])
+                parts = x.to(torch.bfloat16).split(self.chunk, dim=-1)
+                out = torch._weight_int8pack_mm(parts[0].contiguous(), self.q[e, 0], self.scale[e])
+                for part, q in zip(parts[1:], self.q[e, 1:]):
+                    out = out + torch._weight_int8pack_mm(part.contiguous(), q, self.scale[e])
+                return out
             if self.fmt == "int8":  # many rows (prefill): dequantise once, one bf16 product
-                return F.linear(x.to(torch.bfloat16), self.q[e].to(torch.bfloat16) * self.scale[e][:, None])
+                return F.linear(x.to(torch.bfloat16), self.int8_matrix(e).to(torch.bfloat16) * self.scale[e][:, None])
             if self.fmt == "int4":
                 return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.q[e], self.group, self.scale[e])
         compute = torch.bfloat16 if x.dtype == torch.float32 and self.fmt != "fp8" else x.dtype
