@@ -8,8 +8,8 @@ from PIL import Image
 from a3b_core.demo import dataset
 from a3b_core.demo.build_tokenizer import DEMO_VOCAB_SIZE, build_demo_tokenizer
 from a3b_core.demo.dataset import (BACKGROUND_QUESTION, COLOURS, COUNT_QUESTION, EMPTY_CELL_ANSWER, IMAGE_SIZE,
-                                   POSITIONS, SHAPES, SIZE_RANGES, SIZES, Scene, Shape, describe, make_sample,
-                                   make_samples, parse_caption, random_scene)
+                                   PIXEL_ART_GRID, POSITIONS, SHAPES, SIZE_RANGES, SIZES, Scene, Shape, describe,
+                                   grid_line_level, make_sample, make_samples, parse_caption, random_scene)
 from a3b_core.tokenizer import SPECIAL_TOKENS, THINK_TOKENS
 
 
@@ -25,6 +25,16 @@ def tokenizer():
 
 def _pixels(image: Image.Image) -> np.ndarray:
     return np.asarray(image.convert("RGB"), dtype=np.int16)
+
+
+def _drawn_as(colour: str, pixel_art: bool) -> list[tuple[int, ...]]:
+    """The values a palette colour is drawn with: pixel art also shows it under a grid line."""
+    value = COLOURS[colour]
+    return [value, tuple(grid_line_level(v) for v in value)] if pixel_art else [value]
+
+
+def _is_background(pixels: np.ndarray, scene: Scene) -> np.ndarray:
+    return np.any([(pixels == v).all(axis=-1) for v in _drawn_as(scene.background, scene.pixel_art)], axis=0)
 
 
 def _cell(pixels: np.ndarray, position: str) -> np.ndarray:
@@ -84,22 +94,21 @@ def test_scenes_are_canonical_and_never_overlap(samples):
 def test_each_shape_is_drawn_inside_its_own_cell_at_its_size(samples):
     for s in samples:
         pixels = _pixels(s.image)
-        background = np.array(COLOURS[s.scene.background])
         occupied = {shape.position: shape for shape in s.shapes}
         for position in POSITIONS:
             cell = _cell(pixels, position)
             if position not in occupied:
-                assert (cell == background).all(), f"{s.caption}: paint in the empty cell {position}"
+                assert _is_background(cell, s.scene).all(), f"{s.caption}: paint in the empty cell {position}"
                 continue
             shape = occupied[position]
-            edge = (cell == background).all(axis=2)
+            edge = _is_background(cell, s.scene)
             assert edge[0].all() and edge[-1].all() and edge[:, 0].all() and edge[:, -1].all(), \
                 f"{s.caption}: the {shape.kind} touches its cell border"
             assert (cell == np.array(COLOURS[shape.colour])).all(axis=2).any(), f"{s.caption}: no {shape.colour}"
             ys, xs = np.nonzero(~edge)
             extent = max(xs.max() - xs.min(), ys.max() - ys.min()) + 1
             low, high = (f * IMAGE_SIZE for f in SIZE_RANGES[shape.size])
-            # Pixel art rounds to 6 px blocks and loses a star's thin tips; the windows still do not meet.
+            # Pixel art rounds to 8 px blocks and loses a star's thin tips; the windows still do not meet.
             below, above = (12, 10) if s.scene.pixel_art else (2, 2)
             assert low - below <= extent <= high + above, f"{s.caption}: the {shape.kind} is {extent} px"
     small_high, large_low = SIZE_RANGES["small"][1] * IMAGE_SIZE + 10, SIZE_RANGES["large"][0] * IMAGE_SIZE - 12
@@ -113,9 +122,23 @@ def test_pixel_art_uses_only_the_scene_colours_and_other_images_are_anti_aliased
         colours = {colour for _, colour in s.image.getcolors(maxcolors=IMAGE_SIZE * IMAGE_SIZE)}
         scene_colours = {COLOURS[s.scene.background]} | {COLOURS[shape.colour] for shape in s.shapes}
         if s.scene.pixel_art:
-            assert colours == scene_colours
+            assert colours == {v for c in [s.scene.background] + [shape.colour for shape in s.shapes]
+                               for v in _drawn_as(c, True)}
         elif any(shape.kind != "square" for shape in s.shapes):  # a square's edges may fall on pixel borders
             assert colours > scene_colours  # blended edge pixels
+
+
+def test_pixel_art_shows_its_blocks_with_grid_lines():
+    scene = Scene((Shape("square", "red", "centre", "large"),), background="white", pixel_art=True)
+    pixels = _pixels(dataset.draw(scene, random.Random(0)))
+    block = IMAGE_SIZE // PIXEL_ART_GRID
+    middle = IMAGE_SIZE // 2 // block * block  # a block inside the square
+    for top, colour in ((0, "white"), (middle, "red")):
+        cell = pixels[top:top + block, top:top + block]
+        plain, lined = _drawn_as(colour, pixel_art=True)
+        assert (cell[:-1, :-1] == plain).all() and (cell[-1] == lined).all() and (cell[:, -1] == lined).all()
+    smooth = dataset.draw(Scene(scene.shapes, scene.background, pixel_art=False), random.Random(0))
+    assert (_pixels(smooth)[:block, :block] == COLOURS["white"]).all()
 
 
 def test_colour_names_are_far_apart():

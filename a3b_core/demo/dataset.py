@@ -29,14 +29,16 @@ from PIL import Image, ImageDraw
 IMAGE_SIZE = 384  # the engine's default encode size: 24x24 patches of 16, 144 language-model tokens
 MAX_SHAPES = 2
 
-# Far apart in RGB (at least 90 apart pairwise) so that a colour name never depends on a judgement call.
+# Far apart in RGB (at least 90 apart pairwise) so that a colour name never depends on a judgement call. Blue and
+# purple are close enough that blue stored as ProPhoto RGB values and read as sRGB is nearer purple: only colour
+# management names it right.
 COLOURS: dict[str, tuple[int, int, int]] = {
     "red": (220, 20, 20),
     "orange": (255, 140, 0),
     "yellow": (255, 230, 0),
     "green": (20, 170, 40),
     "blue": (20, 60, 230),
-    "purple": (150, 40, 200),
+    "purple": (120, 40, 210),
     "white": (255, 255, 255),
     "black": (0, 0, 0),
 }
@@ -49,11 +51,16 @@ NUMBER_WORDS = ("one", "two", "three")
 # fits its cell with CELL_MARGIN to spare; the smallest shape is 65 px at 384, four patches across.
 SIZE_RANGES = {"small": (0.17, 0.19), "large": (0.26, 0.29)}
 # Fraction of the side kept free at each cell border, so neighbouring shapes never touch: 7.7 px at 384, more than
-# the 4.5 px by which pixel art can overshoot (it paints every 6 px block the shape covers by half, and PIL's polygon
+# the 6 px by which pixel art can overshoot (it paints every 8 px block the shape covers by half, and PIL's polygon
 # fill adds a quarter block).
 CELL_MARGIN = 0.02
 SUPERSAMPLE = 4  # edges are anti-aliased by drawing 4x finer and averaging 4x4 blocks
-PIXEL_ART_GRID = 64  # pixel art is drawn at 64x64 (6 px blocks at 384); at 48x48 a small star loses its points
+# Pixel art is drawn at 48x48: 8 px blocks at 384, four to a side of the demo model's 32 px patches, with a grid line
+# between blocks, as a pixel editor shows a sprite zoomed in. Hard stair-step edges alone are a texture that a tiny
+# ViT over 32 px patches does not learn to tell from anti-aliased ones in minutes; lines at a fixed place in every
+# patch it learns at once.
+PIXEL_ART_GRID = 48
+GRID_LINE_GREY, GRID_LINE_MIX = 128, 0.3
 PIXEL_ART_RATE = 0.25
 
 # The prompts the model is trained on; the caption answers CAPTION_PROMPT.
@@ -213,7 +220,26 @@ def draw(scene: Scene, rng: random.Random, size: int = IMAGE_SIZE) -> Image.Imag
         if scene.pixel_art:
             mask = mask.point(lambda coverage: 255 if coverage >= 128 else 0)
         canvas.paste(COLOURS[shape.colour], mask=mask)
-    return canvas.resize((size, size), Image.Resampling.NEAREST) if scene.pixel_art else canvas
+    if not scene.pixel_art:
+        return canvas
+    canvas = canvas.resize((size, size), Image.Resampling.NEAREST)
+    canvas.paste(canvas.point(grid_line_level), mask=_grid_lines(size, size // grid))
+    return canvas
+
+
+def grid_line_level(level: int) -> int:
+    """A channel level as a grid line shows it: 30% of the way to mid grey."""
+    return round(level + (GRID_LINE_GREY - level) * GRID_LINE_MIX)
+
+
+def _grid_lines(size: int, block: int) -> Image.Image:
+    """A mask of the last pixel row and column of every `block` x `block` block."""
+    mask = Image.new("L", (size, size), 0)
+    pen = ImageDraw.Draw(mask)
+    for at in range(block - 1, size, block):
+        pen.line([(at, 0), (at, size - 1)], fill=255)
+        pen.line([(0, at), (size - 1, at)], fill=255)
+    return mask
 
 
 def make_sample(rng: random.Random, size: int = IMAGE_SIZE, max_shapes: int = MAX_SHAPES) -> Sample:

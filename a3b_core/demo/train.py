@@ -1,10 +1,8 @@
 """Trains, exports and evaluates the embedded demo model "a3b-demo" on the seeded shape scenes of `dataset.py`.
 
-    # the shipped checkpoint (--threads 1; 27 + 14 min on a busy 2-core machine): 1000 steps, then 650 more
-    python -m a3b_core.demo.train train --threads 1 --steps 1000
-    python -m a3b_core.demo.train train --threads 1 --init-from a3b_core/demo/a3b-demo --data-offset 24000 \
-        --one-shape-steps 0 --steps 650 --lr 1e-3 --warmup 30
-    python -m a3b_core.demo.train evaluate --n 500 # exact-match caption accuracy through the full engine pipeline
+    # the shipped checkpoint (--threads 1: 32 min on a busy 2-core machine): 800 vision steps, then 1000 full steps
+    python -m a3b_core.demo.train train --threads 1
+    python -m a3b_core.demo.train evaluate --n 300 # exact-match caption accuracy through the full engine pipeline
 
 The model is the Qwen3.5-MoE architecture at toy size (Gated DeltaNet + gated attention, MoE with a shared expert,
 ViT vision tower), built from a3b_core's own modules and trained with autograd. Each training image comes with two
@@ -14,10 +12,12 @@ assistant answer token, `<|im_end|>` included.
 
 Learning to read the image is what takes a tiny model long (it learns the grammar and the background colour within
 a hundred steps, then plateaus). A training-only linear probe on the vision tower's output shortens that: each of
-the 36 LM tokens of an image predicts what its grid cell holds (shape kind, colour, size, or nothing), so the tower
-learns at once to make its tokens say what they show. The probe is not part of the model and is not exported.
-Training is deterministic for a given seed and thread count: data is
-drawn from per-sample seeds, and the step count (not the clock) ends training.
+the 36 LM tokens of an image predicts what its grid cell holds (shape kind, colour, size, or nothing, and whether
+the image is pixel art), so the tower learns at once to make its tokens say what they show. Training starts with
+the tower and probe alone (`--vision-steps`, a third of a full step's time each), so that the language model joins
+in with tokens worth reading. The probe is not part of the model and is not exported. Training is deterministic
+for a given seed and thread count: data is drawn from per-sample seeds, and the step count (not the clock) ends
+training.
 
 Exact match is measured without decoding during training: greedy decoding reproduces a caption exactly iff, fed the
 true caption, the model's argmax is right at every caption token, which one batched forward pass answers.
@@ -63,19 +63,23 @@ FP8_OTHER = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_pr
                        r"|shared_expert\.(gate|up|down)_proj)\.weight$")
 FP32_IN_RELEASE = re.compile(r"linear_attn\.(A_log|norm\.weight)$")
 QA_TURNS = 3
-CELL_TARGETS = (len(dataset.SHAPES) + 1, len(dataset.COLOURS) + 1, len(dataset.SIZES) + 1)  # each + "nothing"
+# What the probe reads off each LM image token: its cell's shape kind, colour and size (each + "nothing"), and for
+# the tokens of a cell with a shape (where the edges that tell pixel art apart are) whether the image is pixel art.
+CELL_TARGETS = (len(dataset.SHAPES) + 1, len(dataset.COLOURS) + 1, len(dataset.SIZES) + 1, 2)
+PROBE_TARGET_NAMES = ("kind", "colour", "size", "pixel art")
 
 
 # --------------------------------------------------------------------------------------------------- config
 def demo_config(tokenizer: Tokenizer) -> dict:
     """config.json in the official spellings. Patch 32 (12x12 patches at 384, 36 LM tokens) and rope_theta 1e4 make
-    the model small and fast to train; the architecture is the release's."""
+    the model small and fast to train; the architecture is the release's. Two of the four layers attend fully
+    (the release has one in four): copying each shape's attributes out of the image tokens is a retrieval job."""
     ids = {name: tokenizer.token_id(token) for name, token in (
         ("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
         ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))}
     text = dict(
         model_type="qwen3_5_moe_text", vocab_size=tokenizer.vocab_size, hidden_size=128, num_hidden_layers=4,
-        layer_types=["linear_attention"] * 3 + ["full_attention"], full_attention_interval=4,
+        layer_types=["linear_attention", "full_attention"] * 2, full_attention_interval=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
         rope_parameters=dict(rope_type="default", rope_theta=1e4, partial_rotary_factor=0.25,
                              mrope_section=[3, 3, 2], mrope_interleaved=True),
@@ -86,7 +90,7 @@ def demo_config(tokenizer: Tokenizer) -> dict:
         eos_token_id=[tokenizer.token_id("<|im_end|>"), tokenizer.token_id("<|endoftext|>")],
         bos_token_id=None, pad_token_id=tokenizer.token_id("<|endoftext|>"), dtype="bfloat16")
     vision = dict(
-        model_type="qwen3_5_moe", depth=2, hidden_size=96, num_heads=3, intermediate_size=256, patch_size=32,
+        model_type="qwen3_5_moe", depth=3, hidden_size=128, num_heads=4, intermediate_size=384, patch_size=32,
         temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=144,
         out_hidden_size=128, hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[])
     return dict(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe", text_config=text,
@@ -204,13 +208,14 @@ def encode_sample(sample: dataset.Sample, config: dict, tokenizer: Tokenizer, rn
 
 
 def cell_targets(scene: dataset.Scene, side: int) -> torch.Tensor:
-    """[side * side, 3]: for each LM image token (raster order), the kind, colour and size of the shape in its grid
-    cell, the last class of each meaning "nothing"."""
-    cells = torch.tensor([n - 1 for n in CELL_TARGETS]).repeat(len(dataset.POSITIONS), 1)
+    """[side * side, 4]: for each LM image token (raster order), the kind, colour and size of the shape in its grid
+    cell (the last class of each meaning "nothing"), and whether the image is pixel art (IGNORE in empty cells)."""
+    nothing = [n - 1 for n in CELL_TARGETS[:3]]
+    cells = torch.tensor(nothing + [IGNORE]).repeat(len(dataset.POSITIONS), 1)
     for shape in scene.shapes:
         cells[dataset.POSITIONS.index(shape.position)] = torch.tensor([
             dataset.SHAPES.index(shape.kind), list(dataset.COLOURS).index(shape.colour),
-            dataset.SIZES.index(shape.size)])
+            dataset.SIZES.index(shape.size), int(scene.pixel_art)])
     rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
     cell_of_token = (rows * 3 // side) * 3 + cols * 3 // side
     return cells[cell_of_token.flatten()]
@@ -241,11 +246,29 @@ def forward_logits(text: TextModel, vision: VisionTower, batch: dict, image_toke
     embeds = text.embed_tokens(batch["ids"])
     pads = (batch["ids"] == image_token_id)[..., None]
     embeds = embeds.masked_scatter(pads, torch.cat([image_rows, image_rows]))
-    probe_loss = None
-    if probe is not None:
-        predictions = probe(image_rows).split(CELL_TARGETS, dim=-1)
-        probe_loss = sum(F.cross_entropy(p, t) for p, t in zip(predictions, batch["cells"].unbind(-1))) / 3
-    return text(embeds, batch["positions"]), probe_loss
+    loss = None if probe is None else probe_loss(probe, image_rows, batch["cells"])
+    return text(embeds, batch["positions"]), loss
+
+
+def probe_loss(probe: nn.Module, image_rows: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    predictions = probe(image_rows).split(CELL_TARGETS, dim=-1)
+    return sum(F.cross_entropy(p, t) for p, t in zip(predictions, cells.unbind(-1))) / len(CELL_TARGETS)
+
+
+@torch.no_grad()
+def probe_accuracy(vision: VisionTower, probe: nn.Module, batches: list[dict]) -> dict[str, float]:
+    """Per probe target, the fraction of the tokens of cells with a shape that it reads right (the empty ones are
+    easy)."""
+    vision.eval()
+    right, counted = torch.zeros(len(CELL_TARGETS)), torch.zeros(len(CELL_TARGETS))
+    for b in batches:
+        predictions = probe(vision(b["pixels"], b["grids"])).split(CELL_TARGETS, dim=-1)
+        occupied = b["cells"][:, 0] != CELL_TARGETS[0] - 1
+        for i, (p, t) in enumerate(zip(predictions, b["cells"].unbind(-1))):
+            right[i] += ((p.argmax(-1) == t) & occupied).sum()
+            counted[i] += occupied.sum()
+    vision.train()
+    return {name: (r / c).item() for name, r, c in zip(PROBE_TARGET_NAMES, right, counted)}
 
 
 def caption_exact(logits: torch.Tensor, batch: dict) -> torch.Tensor:
@@ -372,6 +395,54 @@ def pipeline_accuracy(folder: Path | str, cases: list[tuple[Path, str]], compute
 
 
 # ----------------------------------------------------------------------------------------------------- train
+def optimiser_for(modules: list[nn.Module], lr: float) -> tuple[torch.optim.Optimizer, list[nn.Parameter]]:
+    params = [p for m in modules for p in m.parameters()]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.01},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95)), params
+
+
+def scheduled_lr(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warmup, then a cosine down to 5% of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def scene_loader(config: dict, args: argparse.Namespace, steps: int, offset: int,
+                 one_shape_steps: int = 0) -> torch.utils.data.DataLoader:
+    image_token_id, merge = config["image_token_id"], config["vision_config"]["spatial_merge_size"]
+    data = SceneData(config, args.seed, steps * args.batch, one_shape_items=one_shape_steps * args.batch,
+                     offset=offset)
+    return torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False, num_workers=1,
+                                       collate_fn=lambda items: collate(items, image_token_id, merge),
+                                       prefetch_factor=4, persistent_workers=False)
+
+
+def pretrain_vision(vision: VisionTower, probe: nn.Module, loader: torch.utils.data.DataLoader,
+                    validation: list[dict], args: argparse.Namespace) -> None:
+    """Phase 1: the tower and the probe alone, a fifth of a full step's time: the tower learns to make each token
+    say what its cell holds before the language model, which can only learn to read tokens that say something,
+    joins in."""
+    optimiser, params = optimiser_for([vision, probe], args.lr)
+    started = time.perf_counter()
+    for step, batch in enumerate(loader):
+        for group in optimiser.param_groups:
+            group["lr"] = scheduled_lr(step, args.vision_steps, args.lr, args.warmup)
+        loss = probe_loss(probe, vision(batch["pixels"], batch["grids"]), batch["cells"])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimiser.step()
+        optimiser.zero_grad(set_to_none=True)
+        if step % args.log_every == 0:
+            print(f"vision step {step:5d}  {time.perf_counter() - started:7.1f}s  probe {loss.item():.4f}", flush=True)
+        if (step + 1) % args.eval_every == 0 or step == args.vision_steps - 1:
+            accuracy = "  ".join(f"{k} {v:.3f}" for k, v in probe_accuracy(vision, probe, validation).items())
+            print(f"vision step {step + 1:5d}  {time.perf_counter() - started:7.1f}s  validation probe: {accuracy}",
+                  flush=True)
+
+
 def train(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -381,43 +452,32 @@ def train(args: argparse.Namespace) -> None:
     if args.init_from is not None:
         load_release(text, vision, args.init_from)
     probe = nn.Linear(config["text_config"]["hidden_size"], sum(CELL_TARGETS))  # training only, not exported
-    params = [p for m in (text, vision, probe) for p in m.parameters()]
     print(f"parameters: text {sum(p.numel() for p in text.parameters()):,}, "
           f"vision {sum(p.numel() for p in vision.parameters()):,}", flush=True)
-    decay = [p for p in params if p.dim() >= 2]
-    no_decay = [p for p in params if p.dim() < 2]
-    optimiser = torch.optim.AdamW([{"params": decay, "weight_decay": 0.01}, {"params": no_decay, "weight_decay": 0}],
-                                  lr=args.lr, betas=(0.9, 0.95))
-
-    def lr_at(step: int) -> float:
-        if step < args.warmup:
-            return args.lr * (step + 1) / args.warmup
-        progress = (step - args.warmup) / max(1, args.steps - args.warmup)
-        return args.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
-
-    image_token_id, merge = config["image_token_id"], config["vision_config"]["spatial_merge_size"]
-    data = SceneData(config, args.seed, args.steps * args.batch, one_shape_items=args.one_shape_steps * args.batch,
-                     offset=args.data_offset)
-    loader = torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False, num_workers=1,
-                                         collate_fn=lambda items: collate(items, image_token_id, merge),
-                                         prefetch_factor=4, persistent_workers=False)
+    image_token_id = config["image_token_id"]
     validation = fixed_batches(config, VALIDATION_SEED, args.validation, 50)
+    if args.vision_steps > 0:
+        pretrain_vision(vision, probe, scene_loader(config, args, args.vision_steps, args.data_offset), validation,
+                        args)
+    loader = scene_loader(config, args, args.steps, args.data_offset + args.vision_steps * args.batch,
+                          args.one_shape_steps)
+    optimiser, params = optimiser_for([text, vision, probe], args.lr)
     best = -1.0 if args.init_from is None else validation_accuracy(text, vision, validation, image_token_id)
     started = time.perf_counter()
     text.train(), vision.train()
     for step, batch in enumerate(loader):
         for group in optimiser.param_groups:
-            group["lr"] = lr_at(step)
-        logits, probe_loss = forward_logits(text, vision, batch, image_token_id, probe)
+            group["lr"] = scheduled_lr(step, args.steps, args.lr, args.warmup)
+        logits, cell_loss = forward_logits(text, vision, batch, image_token_id, probe)
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
-        (loss + args.probe_weight * probe_loss).backward()
+        (loss + args.probe_weight * cell_loss).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimiser.step()
         optimiser.zero_grad(set_to_none=True)
         if step % args.log_every == 0:
             train_exact = caption_exact(logits.detach(), batch).float().mean().item()
             print(f"step {step:5d}  {time.perf_counter() - started:7.1f}s  loss {loss.item():.4f}  "
-                  f"probe {probe_loss.item():.4f}  train caption exact {train_exact:.2f}", flush=True)
+                  f"probe {cell_loss.item():.4f}  train caption exact {train_exact:.2f}", flush=True)
         last = step == args.steps - 1
         if (step + 1) % args.eval_every == 0 or last:
             accuracy = validation_accuracy(text, vision, validation, image_token_id)
@@ -448,11 +508,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=DEMO_DIR)
     parser.add_argument("--out-fp8", type=Path, default=DEMO_FP8_DIR)
     parser.add_argument("--seed", type=int, default=None, help=f"train: {TRAIN_SEED}; evaluate: {TEST_SEED}")
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--vision-steps", type=int, default=800,
+                        help="phase 1: steps that train the vision tower and probe alone")
+    parser.add_argument("--steps", type=int, default=1000, help="steps that train the whole model")
     parser.add_argument("--batch", type=int, default=24)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=60)
-    parser.add_argument("--one-shape-steps", type=int, default=150, help="curriculum: first steps see one shape")
+    parser.add_argument("--one-shape-steps", type=int, default=0, help="curriculum: first steps see one shape")
     parser.add_argument("--init-from", type=Path, default=None, help="continue from an exported BF16 folder")
     parser.add_argument("--data-offset", type=int, default=0, help="skip this many scenes of the training stream")
     parser.add_argument("--probe-weight", type=float, default=1.0)
