@@ -36,11 +36,6 @@ def demo_model():
     return load_model("a3b-demo")
 
 
-# The shipped checkpoint is undertrained: 85.7% (BF16) and 85.0% (FP8) exact captions on 300 held-out scenes.
-UNDERTRAINED = pytest.mark.xfail(strict=True, reason="a3b-demo reaches 86% exact captions, not 95%; retrain longer")
-
-
-@UNDERTRAINED
 @pytest.mark.parametrize("folder, compute_dtype", [("a3b-demo", "auto"), (DEMO_FP8_DIR, "auto")],
                          ids=["bf16", "fp8"])
 def test_held_out_captions_are_exact(held_out, folder, compute_dtype):

@@ -1,7 +1,10 @@
 """Trains, exports and evaluates the embedded demo model "a3b-demo" on the seeded shape scenes of `dataset.py`.
 
-    # the shipped checkpoint (--threads 1: 32 min on a busy 2-core machine): 800 vision steps, then 1000 full steps
+    # the shipped checkpoint (--threads 1 on a busy 2-core machine: 32 + 17 min): 800 vision steps and 1000 full
+    # steps, then 600 more full steps at a lower learning rate
     python -m a3b_core.demo.train train --threads 1
+    python -m a3b_core.demo.train train --threads 1 --init-from a3b_core/demo/a3b-demo --vision-steps 0 \
+        --data-offset 43200 --steps 600 --lr 6e-4 --warmup 20
     python -m a3b_core.demo.train evaluate --n 300 # exact-match caption accuracy through the full engine pipeline
 
 The model is the Qwen3.5-MoE architecture at toy size (Gated DeltaNet + gated attention, MoE with a shared expert,
