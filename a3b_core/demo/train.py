@@ -5,7 +5,9 @@
     python -m a3b_core.demo.train train --threads 1
     python -m a3b_core.demo.train train --threads 1 --init-from a3b_core/demo/a3b-demo --vision-steps 0 \
         --data-offset 43200 --steps 600 --lr 6e-4 --warmup 20
-    python -m a3b_core.demo.train evaluate --n 300 # exact-match caption accuracy through the full engine pipeline
+    # exact-match caption accuracy through the full engine pipeline, on held-out scenes of seed 999; shipped:
+    # 95.7% BF16 and FP8 on 300; 95.4% BF16 and FP8, 95.0% fp32 compute on 500
+    python -m a3b_core.demo.train evaluate --n 300
 
 The model is the Qwen3.5-MoE architecture at toy size (Gated DeltaNet + gated attention, MoE with a shared expert,
 ViT vision tower), built from a3b_core's own modules and trained with autograd. Each training image comes with two
