@@ -427,7 +427,7 @@ def scene_loader(config: dict, args: argparse.Namespace, steps: int, offset: int
 
 def pretrain_vision(vision: VisionTower, probe: nn.Module, loader: torch.utils.data.DataLoader,
                     validation: list[dict], args: argparse.Namespace) -> None:
-    """Phase 1: the tower and the probe alone, a fifth of a full step's time: the tower learns to make each token
+    """Phase 1: the tower and the probe alone, a third of a full step's time: the tower learns to make each token
     say what its cell holds before the language model, which can only learn to read tokens that say something,
     joins in."""
     optimiser, params = optimiser_for([vision, probe], args.lr)
