@@ -1,7 +1,8 @@
 """Trains, exports and evaluates the embedded demo model "a3b-demo" on the seeded shape scenes of `dataset.py`.
 
     # the shipped checkpoint (--threads 1 on a busy 2-core machine: 32 + 17 min): 800 vision steps and 1000 full
-    # steps, then 600 more full steps at a lower learning rate
+    # steps, then 600 more full steps at a lower learning rate. The same commands at --threads 2 on a quiet machine:
+    # 26 + 11 min, and that model scored 94.0% on the 300 held-out images (runs repeat exactly only per thread count)
     python -m a3b_core.demo.train train --threads 1
     python -m a3b_core.demo.train train --threads 1 --init-from a3b_core/demo/a3b-demo --vision-steps 0 \
         --data-offset 43200 --steps 600 --lr 6e-4 --warmup 20
