@@ -22,7 +22,7 @@ from .positions import mrope_position_ids
 from .prompt import Prompt, Turn, build_prompt
 from .tokenizer import Tokenizer
 from .vision import VisionTower
-from .weights import FORMAT_OF_DTYPE, TEXT_PREFIXES, VISION_PREFIXES, Progress, find_prefix, load_module, load_text_model
+from .weights import FORMAT_OF_DTYPE, VISION_PREFIXES, Progress, find_prefix, load_module, load_text_model
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERT_CACHE_VERSION = 1
@@ -276,10 +276,15 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
         return (FORMAT_OF_DTYPE[dtype] if fmt == "bf16" else fmt), torch.device("cuda" if on_gpu else "cpu")
 
     cache_dirs = {fmt: expert_cache_dir(ckpt, fmt) for fmt in ("int8", "int4")}
+
+    def pack_loaded(module: torch.nn.Module, prefix: str, dense: bool) -> None:
+        """bf16 CPU weights packed for oneDNN, each one's mapped checkpoint pages dropped once packed."""
+        if dtype == torch.bfloat16:
+            pack_cpu_weights(module, lambda name: ckpt.release_under(f"{prefix}{name}."), dense=dense)
     try:
         with torch.device("meta"):
             text = TextModel(config.text)
-        load_text_model(text, config.text, ckpt, dtype, progress, expert_placement,
+        text_prefix = load_text_model(text, config.text, ckpt, dtype, progress, expert_placement,
                         cache_dirs.get(plan.expert_format_cpu), keep_fp8=plan.dense_format == "fp8")
         vision = None
         if plan.vision_device != "none":
@@ -288,15 +293,12 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
             vision_prefix = find_prefix(ckpt, "pos_embed.weight", VISION_PREFIXES, "vision")
             load_module(vision, ckpt, vision_prefix, dtype)
             vision.eval().to(plan.vision_device)
-            if dtype == torch.bfloat16:
-                pack_cpu_weights(vision, lambda name: ckpt.release_under(f"{vision_prefix}{name}."), dense=True)
+            pack_loaded(vision, vision_prefix, dense=True)
     except (RuntimeError, ValueError) as exc:  # torch refusing a tensor that passed the header checks
         raise CheckpointError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong "
                               "to another model: download them again.") from exc
     place_text_model(text.eval(), dense, torch.device(plan.embed_device))
-    if dtype == torch.bfloat16:
-        prefix = find_prefix(ckpt, "embed_tokens.weight", TEXT_PREFIXES, "language model")
-        pack_cpu_weights(text, lambda name: ckpt.release_under(f"{prefix}{name}."), dense=dense.type == "cpu")
+    pack_loaded(text, text_prefix, dense=dense.type == "cpu")
     tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
     stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
     return A3BModel(folder, config, text, vision, tokenizer, plan, dtype, stats)

@@ -81,10 +81,10 @@ ExpertPlacement = Callable[[int], tuple[str, torch.device]]  # layer -> (expert 
 
 def load_text_model(module: nn.Module, cfg: TextConfig, ckpt: Checkpoint, compute_dtype: torch.dtype,
                     progress: Progress | None = None, expert_placement: ExpertPlacement | None = None,
-                    cache_dir: Path | None = None, keep_fp8: bool = False) -> None:
+                    cache_dir: Path | None = None, keep_fp8: bool = False) -> str:
     """Fills a meta-device TextModel. Routed experts follow `expert_placement` (default: the compute dtype, on the
     CPU); quantised formats are converted one expert at a time and cached under `cache_dir` for the next load.
-    With `keep_fp8`, dense matrices stored as FP8 stay FP8 (Fp8Linear)."""
+    With `keep_fp8`, dense matrices stored as FP8 stay FP8 (Fp8Linear). Returns the checkpoint's name prefix."""
     prefix = find_prefix(ckpt, "embed_tokens.weight", TEXT_PREFIXES, "language model")
     if keep_fp8:
         keep_fp8_linears(module, ckpt, prefix)
@@ -115,6 +115,7 @@ def load_text_model(module: nn.Module, cfg: TextConfig, ckpt: Checkpoint, comput
         return None
 
     load_module(module, ckpt, prefix, compute_dtype, special, progress)
+    return prefix
 
 
 def keep_fp8_linears(module: nn.Module, ckpt: Checkpoint, prefix: str) -> None:
