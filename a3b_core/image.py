@@ -272,14 +272,14 @@ def to_patches(
         img = img.resize((width, height), Image.Resampling.BICUBIC)
     # Same arithmetic and dtypes as the processor: rescale in float64, then normalise in float32.
     scaled = (np.asarray(img, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)
-    normed = (scaled - np.asarray(mean, dtype=np.float32)) / np.asarray(std, dtype=np.float32)
+    normed = (torch.from_numpy(scaled) - torch.tensor(mean)) / torch.tensor(std)
     grid_h, grid_w = height // patch_size, width // patch_size
-    chw = torch.from_numpy(np.ascontiguousarray(normed.transpose(2, 0, 1)))
-    blocks = chw.reshape(3, grid_h // merge_size, merge_size, patch_size, grid_w // merge_size, merge_size, patch_size)
-    # -> (block_row, block_col, in_row, in_col, C, ph, pw): the block-major order the merger relies on.
-    blocks = blocks.permute(1, 4, 2, 5, 0, 3, 6).unsqueeze(5)
-    frames = blocks.expand(*blocks.shape[:5], temporal_patch_size, patch_size, patch_size)
-    pixel_values = frames.reshape(grid_h * grid_w, 3 * temporal_patch_size * patch_size * patch_size).contiguous()
+    hwc = normed.reshape(grid_h // merge_size, merge_size, patch_size, grid_w // merge_size, merge_size, patch_size, 3)
+    # -> (block_row, block_col, in_row, in_col, C, ph, pw): the block-major order the merger relies on, permuted
+    # straight from HWC (no CHW copy first).
+    blocks = hwc.permute(0, 3, 1, 4, 6, 2, 5).contiguous().view(grid_h * grid_w, 3, 1, patch_size * patch_size)
+    frames = blocks.expand(-1, -1, temporal_patch_size, -1)  # each patch repeated as T identical frames
+    pixel_values = frames.reshape(grid_h * grid_w, 3 * temporal_patch_size * patch_size * patch_size)
     return pixel_values, (1, grid_h, grid_w)
 
 

@@ -69,12 +69,17 @@ class Attention(nn.Module):
         n = x.shape[0]
         q, k, v = self.qkv(x).view(n, 3, self.num_heads, -1).unbind(1)  # each [N, heads, head_dim]
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # Bidirectional attention, restricted to each image (each frame group for video).
-        outputs = [
-            F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1)).transpose(0, 1)
-            for qi, ki, vi in zip(q.split(frame_lengths), k.split(frame_lengths), v.split(frame_lengths))
-        ]
-        return self.proj(torch.cat(outputs).reshape(n, -1))
+        # Bidirectional attention, restricted to each image (each frame group for video): frames of one size attend
+        # as one batch, others one by one.
+        if len(set(frame_lengths)) == 1:
+            frames = len(frame_lengths)
+            q, k, v = (t.view(frames, n // frames, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+            out = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        else:
+            out = torch.cat([
+                F.scaled_dot_product_attention(qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1)).transpose(0, 1)
+                for qi, ki, vi in zip(q.split(frame_lengths), k.split(frame_lengths), v.split(frame_lengths))])
+        return self.proj(out.reshape(n, -1))
 
 
 class MLP(nn.Module):
@@ -165,8 +170,8 @@ class VisionTower(nn.Module):
         """pixel_values [N, C*T*p*p] (block-major patches of all images, in order); grids (t, gh, gw) per image.
         Returns [N / merge^2, out_hidden_size] LM-ready embeddings in pixel_values' dtype."""
         self._check_inputs(pixel_values, grids)
-        tables = [self.grid_tables(t, gh, gw) for t, gh, gw in grids]
-        pos, cos, sin = (torch.cat(per_image) for per_image in zip(*tables))
+        tables = {grid: self.grid_tables(*grid) for grid in set(grids)}
+        pos, cos, sin = (torch.cat(per_image) for per_image in zip(*(tables[grid] for grid in grids)))
         frame_lengths = [gh * gw for t, gh, gw in grids for _ in range(t)]
 
         x = self.patch_embed(pixel_values) + pos.to(pixel_values.dtype)
