@@ -170,7 +170,8 @@ class VisionTower(nn.Module):
         """pixel_values [N, C*T*p*p] (block-major patches of all images, in order); grids (t, gh, gw) per image.
         Returns [N / merge^2, out_hidden_size] LM-ready embeddings in pixel_values' dtype."""
         self._check_inputs(pixel_values, grids)
-        tables = {grid: self.grid_tables(*grid) for grid in set(grids)}
+        grids = [tuple(grid) for grid in grids]
+        tables = {grid: self.grid_tables(*grid) for grid in set(grids)}  # one per distinct grid
         pos, cos, sin = (torch.cat(per_image) for per_image in zip(*(tables[grid] for grid in grids)))
         frame_lengths = [gh * gw for t, gh, gw in grids for _ in range(t)]
 

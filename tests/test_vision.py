@@ -82,9 +82,12 @@ def test_one_image_matches_reference(reference_tower, tower, processor, size, gr
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
 
 
-def test_two_images_in_one_call_match_reference_and_stay_separate(reference_tower, tower, processor):
-    pixel_values, grids = preprocess(processor, [random_image(384, 384, seed=2), random_image(300, 200, seed=3)])
-    assert grids == [(1, 24, 24), (1, 14, 20)]
+@pytest.mark.parametrize("second, second_grid", [((300, 200), (1, 14, 20)), ((384, 384), (1, 24, 24))],
+                         ids=["sizes differ", "same size: one batched call"])
+def test_two_images_in_one_call_match_reference_and_stay_separate(reference_tower, tower, processor, second,
+                                                                  second_grid):
+    pixel_values, grids = preprocess(processor, [random_image(384, 384, seed=2), random_image(*second, seed=3)])
+    assert grids == [(1, 24, 24), second_grid]
     expected = reference_embeddings(reference_tower, pixel_values, grids)
     with torch.no_grad():
         got = tower(pixel_values, grids)
