@@ -1,0 +1,28 @@
+"""The demo model's training script, run for a few steps: it exports BF16 and FP8 folders the engine loads, and the
+same command repeats to the byte (the shipped checkpoint's reproducibility rests on that)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from a3b_core.demo import train
+from a3b_core.engine import load_model
+
+
+def short_run(out: Path) -> tuple[Path, Path]:
+    bf16, fp8 = out / "bf16", out / "fp8"
+    train.main(["train", "--vision-steps", "2", "--steps", "2", "--batch", "2", "--warmup", "1", "--validation", "2",
+                "--eval-every", "2", "--threads", str(torch.get_num_threads()), "--out", str(bf16),
+                "--out-fp8", str(fp8)])
+    return bf16, fp8
+
+
+def test_a_short_run_exports_loadable_folders_and_repeats_to_the_byte(tmp_path):
+    first, second = short_run(tmp_path / "first"), short_run(tmp_path / "second")
+    for a, b in zip(first, second):
+        assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    for folder in first:
+        model = load_model(folder)
+        prompt = model.build_prompt(user="Describe the image.")
+        assert len(model.generate(prompt, max_new_tokens=3, temperature=0).token_ids) >= 1
