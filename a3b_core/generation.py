@@ -22,6 +22,7 @@ import torch
 from .cache import Cache
 from .engine import A3BModel, ChatPrompt, EncodedImages, check_input_ids
 from .errors import GenerationError, PromptError
+from .heap import heap_kept
 from .sampling import Sampler, SamplingParams, resolve_sampling
 from .tokenizer import StreamDecoder, Tokenizer
 
@@ -281,7 +282,7 @@ def _run(model: A3BModel, prompts: list, *, max_new_tokens, temperature, top_p, 
         model.config.text.eos_token_ids)
     rows = [SequenceOutput(tokenizer, r.thinking, opts.stop, opts.thinking_budget, think_close_id, budget_close)
             for r in requests]
-    with torch.inference_mode():
+    with torch.inference_mode(), heap_kept():
         stats = _decode(model, requests, rows, opts, eos_ids, on_text, should_stop or (lambda: False))
     results = []
     for index, (row, request) in enumerate(zip(rows, requests)):
