@@ -16,7 +16,9 @@ from functools import cache
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
 KEEP_BYTES = 1 << 30  # free memory at the heap's top kept while generating
-MMAP_BYTES = 32 << 20  # blocks above this still get their own mapping: glibc's own adaptive upper bound
+# Blocks above this still get their own mapping. Setting it ends glibc's adaptive threshold for the process, so it
+# is set to where the adaptive one tops out.
+MMAP_BYTES = 32 << 20
 DEFAULT_TRIM_BYTES = 128 << 10  # glibc's default trim threshold
 
 
