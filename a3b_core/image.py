@@ -272,7 +272,8 @@ def to_patches(
         img = img.resize((width, height), Image.Resampling.BICUBIC)
     # Same arithmetic and dtypes as the processor: rescale in float64, then normalise in float32.
     scaled = (np.asarray(img, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)
-    normed = (torch.from_numpy(scaled) - torch.tensor(mean)) / torch.tensor(std)
+    mean_t, std_t = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
+    normed = (torch.from_numpy(scaled) - mean_t) / std_t
     grid_h, grid_w = height // patch_size, width // patch_size
     hwc = normed.reshape(grid_h // merge_size, merge_size, patch_size, grid_w // merge_size, merge_size, patch_size, 3)
     # -> (block_row, block_col, in_row, in_col, C, ph, pw): the block-major order the merger relies on, permuted

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from a3b_core.demo import train
+from a3b_core.demo import dataset, train
 from a3b_core.engine import load_model
 
 
@@ -24,5 +24,5 @@ def test_a_short_run_exports_loadable_folders_and_repeats_to_the_byte(tmp_path):
         assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
     for folder in first:
         model = load_model(folder)
-        prompt = model.build_prompt(user="Describe the image.")
+        prompt = model.build_prompt(user=dataset.CAPTION_PROMPT)
         assert len(model.generate(prompt, max_new_tokens=3, temperature=0).token_ids) >= 1

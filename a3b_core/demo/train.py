@@ -414,6 +414,16 @@ def scheduled_lr(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
+def take_step(optimiser: torch.optim.Optimizer, params: list[nn.Parameter], loss: torch.Tensor, lr: float) -> None:
+    """One AdamW step at learning rate `lr`, gradients clipped to norm 1."""
+    for group in optimiser.param_groups:
+        group["lr"] = lr
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, 1.0)
+    optimiser.step()
+    optimiser.zero_grad(set_to_none=True)
+
+
 def scene_loader(config: dict, args: argparse.Namespace, steps: int, offset: int,
                  one_shape_steps: int = 0) -> torch.utils.data.DataLoader:
     image_token_id, merge = config["image_token_id"], config["vision_config"]["spatial_merge_size"]
@@ -433,13 +443,8 @@ def pretrain_vision(vision: VisionTower, probe: nn.Module, loader: torch.utils.d
     optimiser, params = optimiser_for([vision, probe], args.lr)
     started = time.perf_counter()
     for step, batch in enumerate(loader):
-        for group in optimiser.param_groups:
-            group["lr"] = scheduled_lr(step, args.vision_steps, args.lr, args.warmup)
         loss = probe_loss(probe, vision(batch["pixels"], batch["grids"]), batch["cells"])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimiser.step()
-        optimiser.zero_grad(set_to_none=True)
+        take_step(optimiser, params, loss, scheduled_lr(step, args.vision_steps, args.lr, args.warmup))
         if step % args.log_every == 0:
             print(f"vision step {step:5d}  {time.perf_counter() - started:7.1f}s  probe {loss.item():.4f}", flush=True)
         if (step + 1) % args.eval_every == 0 or step == args.vision_steps - 1:
@@ -471,14 +476,10 @@ def train(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     text.train(), vision.train()
     for step, batch in enumerate(loader):
-        for group in optimiser.param_groups:
-            group["lr"] = scheduled_lr(step, args.steps, args.lr, args.warmup)
         logits, cell_loss = forward_logits(text, vision, batch, image_token_id, probe)
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
-        (loss + args.probe_weight * cell_loss).backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        optimiser.step()
-        optimiser.zero_grad(set_to_none=True)
+        take_step(optimiser, params, loss + args.probe_weight * cell_loss,
+                  scheduled_lr(step, args.steps, args.lr, args.warmup))
         if step % args.log_every == 0:
             train_exact = caption_exact(logits.detach(), batch).float().mean().item()
             print(f"step {step:5d}  {time.perf_counter() - started:7.1f}s  loss {loss.item():.4f}  "
