@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,9 +16,10 @@ from .checkpoint import Checkpoint
 from .config import ModelConfig, load_config
 from .errors import CheckpointError, ConfigError, ImageError, PromptError
 from .model import TextModel
-from .packed import pack_cpu_weights
+from .packed import pack_cpu_linears
 from .placement import Plan, make_plan
 from .positions import mrope_position_ids
+from .products import fuse_input_projections
 from .prompt import Prompt, Turn, build_prompt
 from .tokenizer import Tokenizer
 from .vision import VisionTower
@@ -277,10 +278,9 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
 
     cache_dirs = {fmt: expert_cache_dir(ckpt, fmt) for fmt in ("int8", "int4")}
 
-    def pack_loaded(module: torch.nn.Module, prefix: str, dense: bool) -> None:
-        """bf16 CPU weights packed for oneDNN, each one's mapped checkpoint pages dropped once packed."""
-        if dtype == torch.bfloat16:
-            pack_cpu_weights(module, lambda name: ckpt.release_under(f"{prefix}{name}."), dense=dense)
+    def release_under(prefix: str) -> Callable[[str], None]:
+        """Drops the mapped checkpoint pages of a submodule that was copied into a new layout."""
+        return lambda name: ckpt.release_under(f"{prefix}{name}.")
     try:
         with torch.device("meta"):
             text = TextModel(config.text)
@@ -293,12 +293,13 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
             vision_prefix = find_prefix(ckpt, "pos_embed.weight", VISION_PREFIXES, "vision")
             load_module(vision, ckpt, vision_prefix, dtype)
             vision.eval().to(plan.vision_device)
-            pack_loaded(vision, vision_prefix, dense=True)
+            if dtype == torch.bfloat16:
+                pack_cpu_linears(vision, release_under(vision_prefix))
     except (RuntimeError, ValueError) as exc:  # torch refusing a tensor that passed the header checks
         raise CheckpointError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong "
                               "to another model: download them again.") from exc
     place_text_model(text.eval(), dense, torch.device(plan.embed_device))
-    pack_loaded(text, text_prefix, dense=dense.type == "cpu")
+    fuse_input_projections(text, release_under(text_prefix))
     tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
     stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
     return A3BModel(folder, config, text, vision, tokenizer, plan, dtype, stats)

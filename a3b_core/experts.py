@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import dequantize_fp8
+from .products import linear
 
 FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 EXPERT_FORMATS = (*FLOAT_FORMATS, "fp8", "int8", "int4")
@@ -37,10 +38,10 @@ class FloatExperts(nn.Module):
         return self.gate_up_proj.device
 
     def gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.gate_up_proj.dtype), self.gate_up_proj[e])
+        return linear(x.to(self.gate_up_proj.dtype), self.gate_up_proj[e])
 
     def down(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.to(self.down_proj.dtype), self.down_proj[e])
+        return linear(x.to(self.down_proj.dtype), self.down_proj[e])
 
 
 class QuantizedStack(nn.Module):

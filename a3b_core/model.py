@@ -14,6 +14,7 @@ from torch import nn
 from .cache import Cache
 from .config import TextConfig
 from .experts import FloatExperts, QuantizedExperts
+from .products import Linear
 
 GDN_CHUNK = 64
 
@@ -33,13 +34,9 @@ class ZeroCentredRMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def linear(dim_in: int, dim_out: int) -> nn.Linear:
-    return nn.Linear(dim_in, dim_out, bias=False)
-
-
 def project(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
-    """x times each Linear named in `module.input_projections` (all read the same input). Packing for the CPU
-    (packed.py) may replace them by one fused product, `module.fused_projection`, which returns the same parts."""
+    """x times each Linear named in `module.input_projections` (all read the same input). Loading may replace them
+    by one fused product, `module.fused_projection` (products.py), which returns the same parts."""
     if module.fused_projection is not None:
         return module.fused_projection(x)
     return [module.get_submodule(name)(x) for name in module.input_projections]
@@ -88,10 +85,10 @@ class GatedAttention(nn.Module):
         self.fused_projection: nn.Module | None = None
         self.cfg, self.layer = cfg, layer
         nh, nkv, hd, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-        self.q_proj = linear(h, nh * hd * 2)  # per head: hd query channels, then hd gate channels
-        self.k_proj = linear(h, nkv * hd)
-        self.v_proj = linear(h, nkv * hd)
-        self.o_proj = linear(nh * hd, h)
+        self.q_proj = Linear(h, nh * hd * 2)  # per head: hd query channels, then hd gate channels
+        self.k_proj = Linear(h, nkv * hd)
+        self.v_proj = Linear(h, nkv * hd)
+        self.o_proj = Linear(nh * hd, h)
         self.q_norm = ZeroCentredRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(hd, cfg.rms_norm_eps)
 
@@ -135,17 +132,17 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkv = linear(h, self.conv_dim)
-        self.in_proj_z = linear(h, self.value_dim)
-        self.in_proj_b = linear(h, self.nv)
-        self.in_proj_a = linear(h, self.nv)
+        self.in_proj_qkv = Linear(h, self.conv_dim)
+        self.in_proj_z = Linear(h, self.value_dim)
+        self.in_proj_b = Linear(h, self.nv)
+        self.in_proj_a = Linear(h, self.nv)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.linear_conv_kernel_dim, groups=self.conv_dim,
                                 bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.dv))
-        self.out_proj = linear(self.value_dim, h)
+        self.out_proj = Linear(self.value_dim, h)
 
     def forward(self, x: torch.Tensor, cache: Cache | None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -257,10 +254,10 @@ class SparseMoE(nn.Module):
         self.fused_projection: nn.Module | None = None
         self.cfg = cfg
         h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        self.gate = linear(h, e)
+        self.gate = Linear(h, e)
         self.experts: FloatExperts | QuantizedExperts = FloatExperts(e, h, i)
         self.shared_expert = DenseMLP(h, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = linear(h, 1)
+        self.shared_expert_gate = Linear(h, 1)
         self.last_topk: torch.Tensor | None = None  # router choices of the last call, for inspection and tests
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -316,9 +313,9 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 class DenseMLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = linear(hidden, inter)
-        self.up_proj = linear(hidden, inter)
-        self.down_proj = linear(inter, hidden)
+        self.gate_proj = Linear(hidden, inter)
+        self.up_proj = Linear(hidden, inter)
+        self.down_proj = Linear(inter, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
@@ -356,7 +353,7 @@ class TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Cache | None = None,
                 attention_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:

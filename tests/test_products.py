@@ -1,0 +1,63 @@
+"""CPU products: one-row bf16 products as matrix-vector products (fp32 sums), fused input projections, and the
+vision tower's oneDNN-packed matrices (the same products as torch's plain bf16 path, to the bit)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from a3b_core import load_model
+from a3b_core.experts import FloatExperts
+from a3b_core.packed import PackedLinear, packing_available
+from a3b_core.products import FusedLinear, linear
+
+
+def bf16_rounded_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.double(), w.double()).bfloat16()
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_products_are_fp32_sums_rounded_once(rows):
+    torch.manual_seed(0)
+    w = (torch.randn(384, 1024) * 0.05).bfloat16()
+    x = torch.randn(rows, 1024).bfloat16()
+    # within one bf16 step of the exact product: sums in fp32, rounded to bf16 once
+    torch.testing.assert_close(linear(x, w).float(), bf16_rounded_reference(x, w).float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_one_row_product_leaves_onednn_switched_on():
+    w, x = torch.randn(64, 32).bfloat16(), torch.randn(1, 1, 32).bfloat16()
+    before = torch.backends.mkldnn.enabled
+    linear(x, w)
+    assert torch.backends.mkldnn.enabled == before
+
+
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_fused_projections_equal_each_product(tokens):
+    torch.manual_seed(0)
+    weights = [(torch.randn(rows, 256) * 0.05).bfloat16() for rows in (384, 128, 4, 1)]
+    x = torch.randn(1, tokens, 256).bfloat16()
+    parts = FusedLinear(weights)(x)
+    assert all(torch.equal(part, linear(x, w)) for part, w in zip(parts, weights, strict=True))
+
+
+@pytest.mark.skipif(not packing_available(), reason="this torch build cannot pack bf16 for oneDNN")
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("shape", [(7, 256), (2, 5, 256)])
+def test_packed_linear_equals_plain_bf16(shape, with_bias):
+    torch.manual_seed(0)
+    w = (torch.randn(384, 256) * 0.05).bfloat16()
+    bias = torch.randn(384) if with_bias else None  # kept fp32 like a loaded vector; added in bf16
+    x = torch.randn(shape).bfloat16()
+    assert torch.equal(PackedLinear(w, bias)(x), F.linear(x, w, None if bias is None else bias.bfloat16()))
+
+
+def test_bf16_cpu_load_fuses_projections_packs_vision_and_fp32_neither(fixtures):
+    model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", weight_format="bf16")
+    text = model.text
+    owners = [m for m in text.modules() if hasattr(m, "input_projections")]
+    assert len(owners) == 2 * len(text.layers)  # each layer's mixer and MoE
+    assert all(isinstance(m.fused_projection, FusedLinear) for m in owners)
+    assert sum(isinstance(m, FloatExperts) for m in text.modules()) == len(text.layers)
+    if packing_available():
+        assert not any(isinstance(m, torch.nn.Linear) for m in model.vision.modules())
+    fp32 = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32")
+    assert not any(isinstance(m, (PackedLinear, FusedLinear)) for m in [*fp32.text.modules(), *fp32.vision.modules()])
