@@ -91,8 +91,9 @@ class QuantizedStack(nn.Module):
         return dequantize_fp8(self.q[e], self.scale[e], block=(FP8_BLOCK, FP8_BLOCK))
 
     def int8_matrix(self, e: int) -> torch.Tensor:
-        """Expert e's int8 matrix [out, in], its chunks put back side by side."""
-        return self.q[e].transpose(0, 1).reshape(self.shape[1:])
+        """Expert e's int8 matrix [out, in], its chunks put back side by side (in int8: converting the
+        reassembled matrix is 7x faster than converting while reassembling)."""
+        return torch.cat(list(self.q[e]), dim=1)
 
     def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.q.device.type == "cpu":
@@ -103,7 +104,7 @@ class QuantizedStack(nn.Module):
                     out = out + torch._weight_int8pack_mm(part.contiguous(), q, self.scale[e])
                 return out
             if self.fmt == "int8":  # many rows (prefill): dequantise once, one bf16 product
-                return F.linear(x.to(torch.bfloat16), self.int8_matrix(e).to(torch.bfloat16) * self.scale[e][:, None])
+                return F.linear(x.to(torch.bfloat16), self.int8_matrix(e) * self.scale[e][:, None])  # int8 * bf16: bf16
             if self.fmt == "int4":
                 return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.q[e], self.group, self.scale[e])
         compute = torch.bfloat16 if x.dtype == torch.float32 and self.fmt != "fp8" else x.dtype

@@ -18,13 +18,14 @@ from torch import nn
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear; a single bf16 row on the CPU goes to the matrix-vector kernel. oneDNN's switch is process-wide, so
     it is off only for this call (another thread's bf16 product in that instant is slower, not different)."""
+    # torch._C's switch directly: torch.backends.mkldnn's property costs more than a small product's arithmetic
     if x.dtype == torch.bfloat16 and x.numel() == x.shape[-1] and weight.device.type == "cpu" \
-            and torch.backends.mkldnn.enabled:
-        torch.backends.mkldnn.enabled = False
+            and torch._C._get_mkldnn_enabled():
+        torch._C._set_mkldnn_enabled(False)
         try:
             return F.linear(x, weight, bias)
         finally:
-            torch.backends.mkldnn.enabled = True
+            torch._C._set_mkldnn_enabled(True)
     return F.linear(x, weight, bias)
 
 
