@@ -56,7 +56,7 @@ def torch_bytes_per_token(module: torch.nn.Module, top_k: int, num_experts: int,
     seen: set[int] = set()  # tied or shared storage counts once
     tensors = []
     for name, tensor in [*module.named_parameters(), *module.named_buffers()]:
-        key = id(tensor) if tensor.is_mkldnn else tensor.data_ptr()  # oneDNN-packed tensors have no data pointer
+        key = tensor.data_ptr()
         if tensor.device.type == "meta" or key in seen:
             continue
         seen.add(key)
