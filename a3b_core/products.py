@@ -1,10 +1,11 @@
-"""The text model's matrix products on the CPU: one-row bf16 products as matrix-vector products, and input
-projections fused into one matrix.
+"""The text model's matrix products on the CPU: bf16 products of one or two rows as matrix-vector products, and
+input projections fused into one matrix.
 
 Where the CPU has AVX-512 bf16, torch hands every bf16 matmul to oneDNN, which reads a [out, in] matrix for a single
 input row at about 20 GB/s on the project's CPU. With oneDNN switched off for that one call, torch's own bf16
 matrix-vector kernel (fp32 accumulation) reads it at about 30 GB/s, near the memory bandwidth: decoding one sequence
-runs ~1.3x faster. That kernel runs once per input row, though, so products of two or more rows keep oneDNN.
+runs ~1.3x faster. That kernel runs once per input row, though: at two rows it still beats oneDNN on a plain matrix
+(~1.2x), from three on oneDNN is faster.
 """
 from __future__ import annotations
 
@@ -14,12 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+GEMV_MAX_ROWS = 2
+
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; a single bf16 row on the CPU goes to the matrix-vector kernel. oneDNN's switch is process-wide, so
-    it is off only for this call (another thread's bf16 product in that instant is slower, not different)."""
+    """F.linear; bf16 inputs of up to GEMV_MAX_ROWS rows on the CPU go to the matrix-vector kernel. oneDNN's switch
+    is process-wide, so it is off only for this call (a bf16 product on another thread in that instant would take
+    the matrix-vector kernel too)."""
     # torch._C's switch directly: torch.backends.mkldnn's property costs more than a small product's arithmetic
-    if x.dtype == torch.bfloat16 and x.numel() == x.shape[-1] and weight.device.type == "cpu" \
+    if x.dtype == torch.bfloat16 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and weight.device.type == "cpu" \
             and torch._C._get_mkldnn_enabled():
         torch._C._set_mkldnn_enabled(False)
         try:

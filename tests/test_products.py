@@ -14,7 +14,7 @@ def bf16_rounded_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.double(), w.double()).bfloat16()
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 2, 5])
 def test_products_are_fp32_sums_rounded_once(rows):
     torch.manual_seed(0)
     w = (torch.randn(384, 1024) * 0.05).bfloat16()
