@@ -37,11 +37,12 @@ class FloatExperts(nn.Module):
     def device(self) -> torch.device:
         return self.gate_up_proj.device
 
+    # x is in the experts' dtype: float experts are always stored in the compute dtype
     def gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return linear(x.to(self.gate_up_proj.dtype), self.gate_up_proj[e])
+        return linear(x, self.gate_up_proj[e])
 
     def down(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return linear(x.to(self.down_proj.dtype), self.down_proj[e])
+        return linear(x, self.down_proj[e])
 
 
 class QuantizedStack(nn.Module):

@@ -109,11 +109,14 @@ class GatedAttention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         # causal over absolute positions, and padding (key_mask [B, S]) masked out
         s = k.shape[2]
-        query_pos = (start + torch.arange(t, device=x.device))[:, None]
-        key_pos = torch.arange(s, device=x.device)[None, :]
-        mask = key_pos <= query_pos
-        if key_mask is not None:  # a padding query still sees itself, so no row is empty (which would give NaN)
-            mask = (mask & key_mask[:, None, None, :s]) | (key_pos == query_pos)
+        if t == 1 and cache is not None:  # decoding: the new (real) token sees every real cached key
+            mask = key_mask[:, None, None, :s]
+        else:
+            query_pos = (start + torch.arange(t, device=x.device))[:, None]
+            key_pos = torch.arange(s, device=x.device)[None, :]
+            mask = key_pos <= query_pos
+            if key_mask is not None:  # a padding query still sees itself, so no row is empty (which would give NaN)
+                mask = (mask & key_mask[:, None, None, :s]) | (key_pos == query_pos)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != nkv)
         o = o.transpose(1, 2).reshape(b, t, nh * hd)
         return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, nh * hd)))
@@ -264,9 +267,9 @@ class SparseMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         router, shared_gate, shared_up, shared_scale = project(self, x)
-        probs = torch.softmax(router.float(), dim=-1)
-        top_p, top_i = probs.topk(self.cfg.num_experts_per_tok, dim=-1)
-        top_p = (top_p / top_p.sum(-1, keepdim=True)).to(x.dtype)
+        # the top-k of a softmax, renormalised, is the softmax of the top-k logits
+        top_logits, top_i = router.float().topk(self.cfg.num_experts_per_tok, dim=-1)
+        top_p = torch.softmax(top_logits, dim=-1).to(x.dtype)
         self.last_topk = top_i
         out = self.routed_experts(x, top_i, top_p)
         shared = self.shared_expert.down_proj(silu_mul(shared_gate, shared_up))
