@@ -293,8 +293,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
             vision_prefix = find_prefix(ckpt, "pos_embed.weight", VISION_PREFIXES, "vision")
             load_module(vision, ckpt, vision_prefix, dtype)
             vision.eval().to(plan.vision_device)
-            if dtype == torch.bfloat16:
-                pack_cpu_linears(vision, release_under(vision_prefix))
+            pack_cpu_linears(vision, release_under(vision_prefix))
     except (RuntimeError, ValueError) as exc:  # torch refusing a tensor that passed the header checks
         raise CheckpointError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong "
                               "to another model: download them again.") from exc

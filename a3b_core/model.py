@@ -109,14 +109,11 @@ class GatedAttention(nn.Module):
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
         # causal over absolute positions, and padding (key_mask [B, S]) masked out
         s = k.shape[2]
-        if t == 1 and cache is not None:  # decoding: the new (real) token sees every real cached key
-            mask = key_mask[:, None, None, :s]
-        else:
-            query_pos = (start + torch.arange(t, device=x.device))[:, None]
-            key_pos = torch.arange(s, device=x.device)[None, :]
-            mask = key_pos <= query_pos
-            if key_mask is not None:  # a padding query still sees itself, so no row is empty (which would give NaN)
-                mask = (mask & key_mask[:, None, None, :s]) | (key_pos == query_pos)
+        query_pos = (start + torch.arange(t, device=x.device))[:, None]
+        key_pos = torch.arange(s, device=x.device)[None, :]
+        mask = key_pos <= query_pos
+        if key_mask is not None:  # a padding query still sees itself, so no row is empty (which would give NaN)
+            mask = (mask & key_mask[:, None, None, :s]) | (key_pos == query_pos)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != nkv)
         o = o.transpose(1, 2).reshape(b, t, nh * hd)
         return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, nh * hd)))
