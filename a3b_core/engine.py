@@ -281,11 +281,12 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     def release_under(prefix: str) -> Callable[[str], None]:
         """Drops the mapped checkpoint pages of a submodule that was copied into a new layout."""
         return lambda name: ckpt.release_under(f"{prefix}{name}.")
+
     try:
         with torch.device("meta"):
             text = TextModel(config.text)
         text_prefix = load_text_model(text, config.text, ckpt, dtype, progress, expert_placement,
-                        cache_dirs.get(plan.expert_format_cpu), keep_fp8=plan.dense_format == "fp8")
+                                      cache_dirs.get(plan.expert_format_cpu), keep_fp8=plan.dense_format == "fp8")
         vision = None
         if plan.vision_device != "none":
             with torch.device("meta"):
