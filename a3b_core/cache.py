@@ -2,11 +2,12 @@
 
 Buffers are preallocated for the whole context, so decoding never allocates.
 
-`kv_dtype="int8"` stores keys and values as int8 with one fp32 scale per (row, token, KV head): scale = absmax / 127
-over the head's channels, so every stored element is within scale / 2 = absmax / 254 of its exact value (round to
-nearest). Each layer's cached prefix is dequantised into one shared scratch pair in the compute dtype just before its
-attention, so the int8 cache costs (head_dim + 4) / (head_dim * compute bytes) of the float cache, plus one layer's
-float keys and values. Logit error: on the test models, 32 cached decode steps with the int8 cache stay within
+Keys and values are stored in the compute dtype ("auto"), in another float format ("bf16", "fp16", "fp32"), or as
+"int8" with one fp32 scale per (row, token, KV head): scale = absmax / 127 over the head's channels, so every stored
+element is within scale / 2 = absmax / 254 of its exact value (round to nearest). When the stored format is not the
+compute dtype, each layer's cached prefix is converted into one shared scratch pair in the compute dtype just before
+its attention, so the int8 cache costs (head_dim + 4) / (head_dim * compute bytes) of the float cache, plus one
+layer's float keys and values. Logit error: on the test models, 32 cached decode steps with the int8 cache stay within
 INT8_LOGIT_TOLERANCE x the standard deviation of the fp32-cache logits (measured: 1.0%); real models have not been
 measured.
 """
@@ -17,20 +18,29 @@ import torch
 from .config import TextConfig
 from .errors import GenerationError, PromptError
 
-KV_DTYPES = ("auto", "int8")  # "auto" (or None): the compute dtype
+FLOAT_KV_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KV_FORMATS = ("auto", *FLOAT_KV_FORMATS, "int8")  # "auto" (or None): the compute dtype
 INT8_MAX = 127
 INT8_LOGIT_TOLERANCE = 0.02  # stated bound on max |logit difference| / std(logits) vs the fp32 cache
+
+
+def checked_kv_format(kv_dtype: str | None) -> str:
+    """A KV cache format name (None means "auto"), refused with a GenerationError if unknown."""
+    if kv_dtype is not None and kv_dtype not in KV_FORMATS:
+        raise GenerationError(f"kv_dtype is {kv_dtype!r}; use one of {', '.join(KV_FORMATS)} (auto: the compute "
+                              "dtype; int8: about half the memory of a bfloat16 cache).")
+    return kv_dtype or "auto"
 
 
 class Cache:
     def __init__(self, cfg: TextConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", kv_dtype: str | None = None):
-        if kv_dtype is not None and kv_dtype not in KV_DTYPES:
-            raise GenerationError(f"kv_dtype is {kv_dtype!r}; use None or 'auto' (the compute dtype) or 'int8' "
-                                  "(about half the memory of a bfloat16 cache).")
-        self.quantised = kv_dtype == "int8"
+        kv_format = checked_kv_format(kv_dtype)
+        self.quantised = kv_format == "int8"
+        store = torch.int8 if self.quantised else FLOAT_KV_FORMATS.get(kv_format, dtype)
         self.max_len = max_len
         self.length = 0
+        self.padded = False  # whether any row has padding, so attention needs the mask
         self.mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
@@ -43,7 +53,6 @@ class Cache:
         shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
         for layer, kind in enumerate(cfg.layer_types):
             if kind == "full_attention":
-                store = torch.int8 if self.quantised else dtype
                 self.keys[layer] = torch.zeros(shape, dtype=store, device=device)
                 self.values[layer] = torch.zeros(shape, dtype=store, device=device)
                 if self.quantised:
@@ -53,9 +62,9 @@ class Cache:
                 self.conv[layer] = torch.zeros(batch, cfg.linear_conv_kernel_dim - 1, conv_dim, device=device)
                 self.state[layer] = torch.zeros(batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                                 cfg.linear_value_head_dim, device=device)
-        # int8: one layer's dequantised keys and values, reused by every layer in turn
+        # stored in another format: one layer's keys and values in the compute dtype, reused by every layer in turn
         self.scratch = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)) \
-            if self.quantised and self.keys else ()
+            if store != dtype and self.keys else ()
 
     def _check_room(self, t: int) -> None:
         if self.length + t > self.max_len:
@@ -63,25 +72,34 @@ class Cache:
                               f"max_context={self.max_len}. Shorten the prompt, lower max_new_tokens, or raise "
                               "max_context.")
 
-    def extend_mask(self, attention_mask: torch.Tensor | None, t: int) -> torch.Tensor:
-        """Records which of the next t tokens are real; returns the key mask over everything cached so far."""
+    def extend_mask(self, attention_mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
+        """Records which of the next t tokens are real; returns the key mask over everything cached so far, or None
+        while no row has padding."""
         self._check_room(t)
         new = self.mask[:, self.length:self.length + t]
-        new.copy_(attention_mask.bool() if attention_mask is not None else torch.ones_like(new))
-        return self.mask[:, :self.length + t]
+        if attention_mask is None:
+            new.fill_(True)
+        else:
+            new.copy_(attention_mask.bool())
+            self.padded = True
+        return self.mask[:, :self.length + t] if self.padded else None
 
     def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Stores the new keys/values [B, t, kv_heads, head_dim]; returns all cached ones, in the compute dtype."""
         start, end = self.length, self.length + k.shape[1]
-        if not self.quantised:
+        if not self.scratch:
             self.keys[layer][:, start:end] = k
             self.values[layer][:, start:end] = v
             return self.keys[layer][:, :end], self.values[layer][:, :end]
         out = []
         for new, store, scales, scratch in ((k, self.keys, self.key_scales, self.scratch[0]),
                                             (v, self.values, self.value_scales, self.scratch[1])):
-            quantise_int8(new, store[layer][:, start:end], scales[layer][:, start:end])
-            out.append(torch.mul(store[layer][:, :end], scales[layer][:, :end], out=scratch[:, :end]))
+            if self.quantised:
+                quantise_int8(new, store[layer][:, start:end], scales[layer][:, start:end])
+                out.append(torch.mul(store[layer][:, :end], scales[layer][:, :end], out=scratch[:, :end]))
+            else:
+                store[layer][:, start:end] = new
+                out.append(scratch[:, :end].copy_(store[layer][:, :end]))
         return out[0], out[1]
 
     def conv_state(self, layer: int) -> torch.Tensor:
@@ -97,11 +115,12 @@ class Cache:
         self.length += t
 
     def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drops the other batch rows (finished sequences): keeps `rows`, indices into the current batch, in order."""
-        self.mask = self.mask[rows]
+        """Drops the other batch rows (finished sequences): keeps `rows`, indices into the current batch, in order.
+        The kept rows move to the front of each buffer in place, so the cache never exists twice."""
+        self.mask = keep_front(self.mask, rows)
         for buffers in (self.keys, self.values, self.key_scales, self.value_scales, self.conv, self.state):
             for layer, buffer in buffers.items():
-                buffers[layer] = buffer[rows]
+                buffers[layer] = keep_front(buffer, rows)
         self.scratch = tuple(buffer[:len(rows)] for buffer in self.scratch)
 
     @property
@@ -115,6 +134,13 @@ class Cache:
         """Every buffer this cache holds: keys/values, scales, scratch, padding mask, DeltaNet conv and state."""
         return self.kv_bytes + sum(t.numel() * t.element_size() for t in (self.mask, *self.scratch,
                                                                           *self.conv.values(), *self.state.values()))
+
+
+def keep_front(buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """buffer[rows] written over the buffer's first rows (only one copy of those rows is made), as a view."""
+    kept = buffer[:len(rows)]
+    kept.copy_(buffer.index_select(0, rows))
+    return kept
 
 
 def quantise_int8(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:

@@ -183,7 +183,7 @@ class Checkpoint:
         if q.dtype == dtype:
             return q  # a view of the mapped file: pages are read when first used, shared with the page cache
         if q.dtype in FP8_DTYPES:
-            out = dequantize_fp8(q, self._fp8_scale(name), name, self.fp8_block).to(dtype)
+            out = dequantize_fp8(q, self._fp8_scale(name), name, self.fp8_block, dtype)
         else:
             out = q.to(dtype)
         self.release(name)
@@ -227,19 +227,23 @@ class Checkpoint:
         self._maps.clear()
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, name: str = "weight",
-                   block: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """W = q * scale, with scale per tensor (one value) or per `block` (ceil-div: edge blocks may be partial)."""
-    w = q.to(torch.float32)
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, name: str = "weight", block: tuple[int, int] = (128, 128),
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W = q * scale in `dtype`, with scale per tensor (one value) or per `block` (ceil-div: edge blocks may be
+    partial). Products are formed in fp32 and rounded to `dtype` once; whole blocks broadcast their scale instead of
+    expanding it to the matrix's size."""
     scale = scale.to(torch.float32)
     if scale.numel() == 1:
-        return w * scale.reshape(())
-    rows, cols = w.shape[-2:] if w.dim() >= 2 else (0, 0)
+        return (q.to(torch.float32) * scale.reshape(())).to(dtype)
+    rows, cols = q.shape[-2:] if q.dim() >= 2 else (0, 0)
     grid = (-(-rows // block[0]), -(-cols // block[1]))
-    if w.dim() != 2 or tuple(scale.shape) != grid:
+    if q.dim() != 2 or tuple(scale.shape) != grid:
         raise CheckpointError(f"'{name}': FP8 scale of shape {tuple(scale.shape)} does not fit weight "
-                              f"{tuple(w.shape)} with {block[0]}x{block[1]} blocks (expected {grid}). The file is "
+                              f"{tuple(q.shape)} with {block[0]}x{block[1]} blocks (expected {grid}). The file is "
                               "corrupt or uses another block size (config.json quantization_config.weight_block_size): use the "
                               "config.json of the same release.")
+    if rows % block[0] == 0 and cols % block[1] == 0:
+        blocks = q.to(torch.float32).view(grid[0], block[0], grid[1], block[1]) * scale[:, None, :, None]
+        return blocks.view(rows, cols).to(dtype)
     full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
-    return w * full[:rows, :cols]
+    return (q.to(torch.float32) * full[:rows, :cols]).to(dtype)

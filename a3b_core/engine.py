@@ -10,20 +10,22 @@ from pathlib import Path
 
 import torch
 
+from . import devices
 from . import image as image_pipeline
 from .cache import Cache
 from .checkpoint import Checkpoint
 from .config import ModelConfig, load_config
 from .errors import CheckpointError, ConfigError, ImageError, PromptError
-from .model import TextModel
+from .model import GDN_CHUNK, TextModel
 from .packed import pack_cpu_linears
-from .placement import Plan, make_plan
+from .placement import Plan, activation_bytes_per_token, make_plan
 from .positions import mrope_position_ids
 from .products import fuse_input_projections
 from .prompt import Prompt, Turn, build_prompt
 from .tokenizer import Tokenizer
 from .vision import VisionTower
-from .weights import FORMAT_OF_DTYPE, VISION_PREFIXES, Progress, find_prefix, load_module, load_text_model
+from .weights import (CONVERTED_EXPERT_FORMATS, FORMAT_OF_DTYPE, VISION_PREFIXES, Progress, find_prefix, load_module,
+                      load_text_model)
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERT_CACHE_VERSION = 1
@@ -72,11 +74,12 @@ def resolve_model_path(path: str | Path | None) -> Path:
     return folder
 
 
-def resolve_compute_dtype(compute_dtype: str, has_cuda: bool) -> torch.dtype:
-    """auto is bf16: on GPUs natively, and on CPUs where it halves the weights read per token (norms, softmaxes
-    and the DeltaNet state stay fp32 regardless)."""
+def resolve_compute_dtype(compute_dtype: str, device: torch.device) -> torch.dtype:
+    """auto is bf16 where it runs natively: on CPUs, where it halves the weights read per token, and on GPUs from
+    Ampere on. Older GPUs get fp16, whose narrower range the text model guards (model.FP16_LIMIT). Norms, softmaxes
+    and the DeltaNet state stay fp32 regardless."""
     if compute_dtype == "auto":
-        return torch.bfloat16
+        return torch.bfloat16 if devices.bf16_is_native(device) else torch.float16
     if compute_dtype not in COMPUTE_DTYPES:
         raise ConfigError(f"compute_dtype {compute_dtype!r} is not supported; use one of: auto, "
                           f"{', '.join(COMPUTE_DTYPES)}.")
@@ -85,14 +88,15 @@ def resolve_compute_dtype(compute_dtype: str, has_cuda: bool) -> torch.dtype:
 
 class A3BModel:
     def __init__(self, folder: Path, config: ModelConfig, text: TextModel, vision: VisionTower | None,
-                 tokenizer: Tokenizer | None, plan: Plan, dtype: torch.dtype, load_stats: LoadStats):
+                 tokenizer: Tokenizer | None, plan: Plan, device: torch.device, dtype: torch.dtype,
+                 load_stats: LoadStats):
         self.folder = folder
         self.config = config
         self.text = text
         self.vision = vision
         self.tokenizer = tokenizer
         self.plan = plan
-        self.device = torch.device(plan.dense_device)  # where hidden states live
+        self.device = device  # where hidden states live: the plan's dense device
         self.dtype = dtype
         self.load_stats = load_stats
 
@@ -101,15 +105,16 @@ class A3BModel:
         return self.plan.max_context
 
     @property
-    def kv_dtype(self) -> str | None:
-        """The plan's KV cache choice, as generation names it (None: the compute dtype)."""
-        return "int8" if self.plan.kv_dtype == "int8" else None
+    def kv_dtype(self) -> str:
+        """The plan's KV cache format (the names are the cache's own)."""
+        return self.plan.kv_dtype
 
     # ------------------------------------------------------------------------------------------- images
     @torch.inference_mode()
     def encode_images(self, images, size: int = 384, resize: str = "stretch", srgb: bool = True,
                       background: tuple[int, int, int] = (255, 255, 255)) -> EncodedImages:
-        """Any images (paths, PIL, arrays, a ComfyUI IMAGE batch) -> vision embeddings, one entry per image."""
+        """Any images (paths, PIL, arrays, a ComfyUI IMAGE batch) -> vision embeddings, one entry per image. The
+        embeddings are kept in RAM (a few hundred KiB per image), not on the GPU, and join the prompt when used."""
         if self.vision is None:
             raise ImageError(f"{self.folder}: this model has no vision tower (config.json has no vision_config or "
                              "the model.visual.* weights are missing); use a vision-language model for images.")
@@ -120,7 +125,7 @@ class A3BModel:
             pixels, grid = image_pipeline.to_patches(image_pipeline.resize_image(rgb, size, resize), vcfg.patch_size,
                                                      vcfg.temporal_patch_size, vcfg.spatial_merge_size)
             vision_device = self.vision.pos_embed.weight.device
-            embeds.append(self.vision(pixels.to(vision_device, self.dtype), [grid]).to(self.device))
+            embeds.append(self.vision(pixels.to(vision_device, self.dtype), [grid]).cpu())
             grids.append(grid)
         return EncodedImages(embeds, grids)
 
@@ -145,22 +150,30 @@ class A3BModel:
     def embed(self, input_ids: torch.Tensor, images: EncodedImages | None) -> torch.Tensor:
         """Token embeddings; with `images`, each image pad token is replaced, in order, by the next image row.
         Without images, pad ids embed as ordinary tokens (a model may generate one)."""
-        table = self.text.embed_tokens.weight
-        embeds = self.text.embed_tokens(input_ids.to(table.device)).to(self.device)
+        return self.embed_rows(input_ids, self.image_rows(input_ids, images))
+
+    def image_rows(self, input_ids: torch.Tensor, images: EncodedImages | None) -> torch.Tensor | None:
+        """The images' embedding rows, one per image pad of input_ids (checked), or None without images."""
         if images is None:
-            return embeds
-        pads = input_ids == self.config.image_token_id
-        n_pads, image_rows = int(pads.sum()), sum(images.token_counts)
+            return None
+        n_pads, image_rows = int((input_ids == self.config.image_token_id).sum()), sum(images.token_counts)
         if n_pads != image_rows:
             raise PromptError(f"input_ids hold {n_pads} image pad tokens but the images supply {image_rows} "
                               "embedding rows; build prompts with model.build_prompt so pads and images agree.")
         width = {e.shape[-1] for e in images.embeds}
-        if width - {embeds.shape[-1]}:
+        if width - {self.config.text.hidden_size}:
             raise PromptError(f"the encoded images have {sorted(width)} features per token but this model needs "
-                              f"{embeds.shape[-1]}: they were encoded by another model. Encode them again with this "
-                              "model's encode_images.")
-        if n_pads:
-            embeds[pads.to(self.device)] = torch.cat(images.embeds).to(embeds.dtype)
+                              f"{self.config.text.hidden_size}: they were encoded by another model. Encode them again "
+                              "with this model's encode_images.")
+        return torch.cat(images.embeds) if n_pads else None
+
+    def embed_rows(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings [B, T, H] on the model's device, the image pads (row-major) replaced by `image_rows`."""
+        table = self.text.embed_tokens.weight
+        embeds = self.text.embed_tokens(input_ids.to(table.device)).to(self.device)
+        if image_rows is not None:
+            embeds[(input_ids == self.config.image_token_id).to(self.device)] = image_rows.to(self.device,
+                                                                                             embeds.dtype)
         return embeds
 
     def positions(self, input_ids: torch.Tensor, images: EncodedImages | None,
@@ -193,6 +206,34 @@ class A3BModel:
         mask = attention_mask.to(self.device) if attention_mask is not None else None
         return self.text(self.embed(input_ids, images), position_ids, cache, mask, last_only)
 
+    def prefill(self, input_ids: torch.Tensor, images: EncodedImages | None, cache: Cache,
+                attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
+        """Runs a prompt batch (input_ids [B, T] in RAM) into `cache`, a chunk of tokens at a time so that the
+        activations stay within the plan's workspace; returns the last position's logits [B, V]."""
+        pads = input_ids == self.config.image_token_id
+        image_rows = self.image_rows(input_ids, images)
+        per_row = image_rows.split(pads.sum(1).tolist()) if image_rows is not None else ()  # each row's own, in order
+        used = [0] * input_ids.shape[0]
+        chunk = self.prefill_chunk(input_ids.shape[0])
+        for start in range(0, input_ids.shape[1], chunk):
+            end = start + chunk
+            rows = None
+            counts = pads[:, start:end].sum(1).tolist()
+            if per_row and any(counts):
+                rows = torch.cat([r[u:u + n] for r, u, n in zip(per_row, used, counts)])
+                used = [u + n for u, n in zip(used, counts)]
+            mask = attention_mask[:, start:end].to(self.device) if attention_mask is not None else None
+            logits = self.text(self.embed_rows(input_ids[:, start:end], rows), position_ids[..., start:end], cache,
+                               mask, last_only=True)
+        return logits[:, -1]
+
+    def prefill_chunk(self, rows: int) -> int:
+        """Prompt tokens per forward pass for a batch of `rows`: as many as the plan's activation workspace holds,
+        in whole DeltaNet chunks."""
+        per_token = activation_bytes_per_token(self.config, FORMAT_OF_DTYPE[self.dtype])
+        tokens = self.plan.workspace_bytes // (rows * per_token)
+        return max(GDN_CHUNK, tokens // GDN_CHUNK * GDN_CHUNK)
+
     def logits(self, input_ids: torch.Tensor, images: EncodedImages | None = None,
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """LongTensor [B, T] -> float32 logits [B, T, vocab]; no cache is kept."""
@@ -218,8 +259,7 @@ class A3BModel:
         """Drops the weights; the handle cannot be used afterwards (load the model again)."""
         self.text = None
         self.vision = None
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        devices.empty_cache(self.device)
 
 
 @dataclass(frozen=True)
@@ -256,27 +296,29 @@ def expert_cache_dir(ckpt: Checkpoint, fmt: str) -> Path:
 
 def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", compute_dtype: str = "auto",
                weight_format: str = "auto", kv_cache: str = "auto", max_context: int | None = None,
-               progress: Progress | None = None) -> A3BModel:
-    """Loads a Qwen3.5/3.6 model folder (or the embedded demo model) as the preset's placement plan says.
+               progress: Progress | None = None, device: str | torch.device = "auto") -> A3BModel:
+    """Loads a Qwen3.5/3.6 model folder (or the embedded demo model) as the preset's placement plan says, on `device`
+    ("auto": the first CUDA GPU if there is one; "cpu"; "cuda" or "cuda:N").
 
     preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
     started = time.perf_counter()
     folder = resolve_model_path(path)
     config = load_config(folder)
-    has_cuda = torch.cuda.is_available()
-    dtype = resolve_compute_dtype(compute_dtype, has_cuda)
+    device = devices.resolve_device(device)
+    dtype = resolve_compute_dtype(compute_dtype, device)
     ckpt = Checkpoint(folder, fp8_block=config.fp8_block)
     plan = make_plan(config, {n: (i.shape, i.dtype) for n, i in ckpt.infos.items()}, preset,
-                     weight_format=weight_format, kv_cache=kv_cache, max_context=max_context, has_cuda=has_cuda,
-                     compute_format="fp32" if dtype == torch.float32 else "bf16")
-    dense = torch.device(plan.dense_device)
+                     weight_format=weight_format, kv_cache=kv_cache, max_context=max_context,
+                     has_cuda=device.type == "cuda", gpu_free=devices.free_bytes(device),
+                     compute_format=FORMAT_OF_DTYPE[dtype])
+
+    def where(plan_device: str) -> torch.device:
+        """The plan's device names ("cuda", "cpu") as this load's devices."""
+        return device if plan_device == "cuda" else torch.device("cpu")
 
     def expert_placement(layer: int) -> tuple[str, torch.device]:
         on_gpu = layer in plan.gpu_expert_layers
-        fmt = plan.expert_format_gpu if on_gpu else plan.expert_format_cpu
-        return (FORMAT_OF_DTYPE[dtype] if fmt == "bf16" else fmt), torch.device("cuda" if on_gpu else "cpu")
-
-    cache_dirs = {fmt: expert_cache_dir(ckpt, fmt) for fmt in ("int8", "int4")}
+        return (plan.expert_format_gpu if on_gpu else plan.expert_format_cpu), where("cuda" if on_gpu else "cpu")
 
     def release_under(prefix: str) -> Callable[[str], None]:
         """Drops the mapped checkpoint pages of a submodule that was copied into a new layout."""
@@ -286,32 +328,41 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
         with torch.device("meta"):
             text = TextModel(config.text)
         text_prefix = load_text_model(text, config.text, ckpt, dtype, progress, expert_placement,
-                                      cache_dirs.get(plan.expert_format_cpu), keep_fp8=plan.dense_format == "fp8")
+                                      {fmt: expert_cache_dir(ckpt, fmt) for fmt in CONVERTED_EXPERT_FORMATS},
+                                      keep_fp8=plan.dense_format == "fp8")
         vision = None
         if plan.vision_device != "none":
             with torch.device("meta"):
                 vision = VisionTower(config.vision)
             vision_prefix = find_prefix(ckpt, "pos_embed.weight", VISION_PREFIXES, "vision")
             load_module(vision, ckpt, vision_prefix, dtype)
-            vision.eval().to(plan.vision_device)
+            vision.eval().to(where(plan.vision_device))
             pack_cpu_linears(vision, release_under(vision_prefix))
     except (RuntimeError, ValueError) as exc:  # torch refusing a tensor that passed the header checks
         raise CheckpointError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong "
                               "to another model: download them again.") from exc
-    place_text_model(text.eval(), dense, torch.device(plan.embed_device))
+    place_text_model(text.eval(), where(plan.dense_device), where(plan.embed_device),
+                     {layer: where("cuda") for layer in plan.gpu_expert_layers})
     fuse_input_projections(text, release_under(text_prefix))
     tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
     stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
-    return A3BModel(folder, config, text, vision, tokenizer, plan, dtype, stats)
+    return A3BModel(folder, config, text, vision, tokenizer, plan, where(plan.dense_device), dtype, stats)
 
 
-def place_text_model(text: TextModel, dense: torch.device, embed: torch.device) -> None:
-    """Moves everything to `dense` except the embedding table (to `embed`) and routed experts (already placed)."""
-    for layer in text.layers:
+def place_text_model(text: TextModel, dense: torch.device, embed: torch.device,
+                     expert_devices: dict[int, torch.device]) -> None:
+    """Moves the dense parts to `dense`, the embedding table to `embed` and the routed experts of the layers in
+    `expert_devices` to theirs (other layers' experts stay where loading put them). A tied lm_head stays the
+    embedding table itself, so it is never held twice."""
+    for index, layer in enumerate(text.layers):
         experts = layer.mlp._modules.pop("experts", None)
         layer.to(dense)
         if experts is not None:
-            layer.mlp.experts = experts
+            layer.mlp.experts = experts.to(expert_devices[index]) if index in expert_devices else experts
     text.norm.to(dense)
-    text.lm_head.to(dense)
+    tied = text.lm_head.weight is text.embed_tokens.weight
     text.embed_tokens.to(embed)
+    if tied:
+        text.lm_head.weight = text.embed_tokens.weight
+    else:
+        text.lm_head.to(dense)

@@ -37,12 +37,12 @@ class FloatExperts(nn.Module):
     def device(self) -> torch.device:
         return self.gate_up_proj.device
 
-    # x is in the experts' dtype: float experts are always stored in the compute dtype
+    # the product runs in the experts' own dtype (the plan's format, which may differ from the compute dtype)
     def gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.gate_up_proj[e])
+        return linear(x.to(self.gate_up_proj.dtype), self.gate_up_proj[e])
 
     def down(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.down_proj[e])
+        return linear(x.to(self.down_proj.dtype), self.down_proj[e])
 
 
 class QuantizedStack(nn.Module):
@@ -84,12 +84,13 @@ class QuantizedStack(nn.Module):
         self.q[e].copy_(q)
         self.scale[e].copy_(scale_inv.float())
 
-    def dequantize(self, e: int) -> torch.Tensor:
+    def dequantize(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Expert e's matrix [out, in] in `dtype` (fp32 products rounded to it once)."""
         if self.fmt == "int8":
-            return self.int8_matrix(e).float() * self.scale[e].float()[:, None]
+            return (self.int8_matrix(e).float() * self.scale[e].float()[:, None]).to(dtype)
         if self.fmt == "int4":
-            return dequantize_int4(self.q[e], self.scale[e], self.group, self.shape[1:])
-        return dequantize_fp8(self.q[e], self.scale[e], block=(FP8_BLOCK, FP8_BLOCK))
+            return dequantize_int4(self.q[e], self.scale[e], self.group, self.shape[1:]).to(dtype)
+        return dequantize_fp8(self.q[e], self.scale[e], block=(FP8_BLOCK, FP8_BLOCK), dtype=dtype)
 
     def int8_matrix(self, e: int) -> torch.Tensor:
         """Expert e's int8 matrix [out, in], its chunks put back side by side (in int8: converting the
@@ -109,7 +110,7 @@ class QuantizedStack(nn.Module):
             if self.fmt == "int4":
                 return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.q[e], self.group, self.scale[e])
         compute = torch.bfloat16 if x.dtype == torch.float32 and self.fmt != "fp8" else x.dtype
-        return F.linear(x.to(compute), self.dequantize(e).to(compute)).to(x.dtype)
+        return F.linear(x.to(compute), self.dequantize(e, compute)).to(x.dtype)
 
 
 class QuantizedExperts(nn.Module):
@@ -173,8 +174,6 @@ def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-
-
 class Fp8Linear(nn.Module):
     """A bias-free linear layer kept as released FP8 with its block scales and dequantised per use: on a GPU this
     halves the VRAM of the dense parts of an FP8 checkpoint."""
@@ -186,4 +185,4 @@ class Fp8Linear(nn.Module):
         self.block = block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, dequantize_fp8(self.q, self.scale, block=self.block).to(x.dtype))
+        return F.linear(x, dequantize_fp8(self.q, self.scale, block=self.block, dtype=x.dtype))

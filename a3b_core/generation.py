@@ -19,12 +19,15 @@ from numbers import Integral
 
 import torch
 
-from .cache import Cache
+from . import devices
+from .cache import Cache, checked_kv_format
 from .engine import A3BModel, ChatPrompt, EncodedImages, check_input_ids
 from .errors import GenerationError, PromptError
 from .heap import heap_kept
+from .placement import cache_row_bytes
 from .sampling import Sampler, SamplingParams, resolve_sampling
 from .tokenizer import StreamDecoder, Tokenizer
+from .weights import FORMAT_OF_DTYPE
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 BUDGET_CLOSE = "\n</think>\n\n"  # forced when the thinking budget runs out; the model then writes its answer
@@ -117,7 +120,7 @@ class _Options:
     seed: int
     stop: tuple[str, ...]
     thinking_budget: int | None
-    kv_dtype: str | None
+    kv_dtype: str
     max_context: int
 
 
@@ -157,7 +160,13 @@ def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed,
                               "them in separate batches or set every sampler value explicitly.")
     sampling = resolve_sampling(modes.pop(), **sampler_values)
     return _Options(max_new_tokens, sampling, int(seed) % 2 ** 64, tuple(s for s in stops if s), thinking_budget,
-                    kv_dtype if kv_dtype is not None else model.kv_dtype, max_context)
+                    _kv_format(model, kv_dtype), max_context)
+
+
+def _kv_format(model: A3BModel, kv_dtype: str | None) -> str:
+    """The cache format a call uses: the one asked for, else the plan's; "auto" named as the compute format."""
+    kv = checked_kv_format(kv_dtype if kv_dtype is not None else model.kv_dtype)
+    return FORMAT_OF_DTYPE[model.dtype] if kv == "auto" else kv
 
 
 # ------------------------------------------------------------------------------------------ outputs
@@ -282,15 +291,29 @@ def _run(model: A3BModel, prompts: list, *, max_new_tokens, temperature, top_p, 
         model.config.text.eos_token_ids)
     rows = [SequenceOutput(tokenizer, r.thinking, opts.stop, opts.thinking_budget, think_close_id, budget_close)
             for r in requests]
+    batch_stats = {}
     with torch.inference_mode(), heap_kept():
-        stats = _decode(model, requests, rows, opts, eos_ids, on_text, should_stop or (lambda: False))
+        for batch in _batches(model, requests, opts):
+            stream = None if on_text is None else (lambda i, text, batch=batch: on_text(batch[i], text))
+            stats = _decode(model, [requests[i] for i in batch], [rows[i] for i in batch], opts, eos_ids, stream,
+                            should_stop or (lambda: False))
+            batch_stats.update(dict.fromkeys(batch, stats))
     results = []
     for index, (row, request) in enumerate(zip(rows, requests)):
-        result = row.result(stats | {"prompt_tokens": len(request.ids)})
+        result = row.result(batch_stats[index] | {"prompt_tokens": len(request.ids)})
         if on_text is not None and result.full_text != row.live_text:
             on_text(index, result.full_text)
         results.append(result)
     return results
+
+
+def _batches(model: A3BModel, requests: list[_Request], opts: _Options) -> list[list[int]]:
+    """The prompts split into consecutive batches whose generation cache fits in what the plan holds for one
+    sequence at its full context (per row, keys and values and the DeltaNet state), so a batch never outgrows it."""
+    tokens = max(len(r.ids) for r in requests) + opts.max_new_tokens
+    per_row = cache_row_bytes(model.config, tokens, opts.kv_dtype, FORMAT_OF_DTYPE[model.dtype])
+    size = max(1, model.plan.cache_bytes // per_row)
+    return [list(range(start, min(start + size, len(requests)))) for start in range(0, len(requests), size)]
 
 
 def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput], opts: _Options,
@@ -298,8 +321,7 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
             should_stop: Callable[[], bool]) -> dict:
     device, text_cfg = model.device, model.config.text
     started = time.perf_counter()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    devices.reset_peak(device)
     lengths = [len(r.ids) for r in requests]
     width = max(lengths)
     pad_id = min(eos_ids, default=0)  # any id: padding is masked out
@@ -323,7 +345,7 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
     position_ids, deltas = model.positions(ids, images, mask)
     # a generated token at unpadded index n gets position n + delta; its cache index is n + (width - length)
     offsets = torch.tensor([n - width + d for n, d in zip(lengths, deltas)], device=device)
-    logits = model.forward(ids.to(device), images, cache, mask, position_ids, last_only=True)[:, -1]
+    logits = model.prefill(ids, images, cache, mask, position_ids)
     active = list(range(len(rows)))  # rows still in the batch, in batch order
     decoded = 0
     for step in range(opts.max_new_tokens):
@@ -360,7 +382,7 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
 def _peak_memory(device: torch.device) -> dict:
     """Peak bytes: CUDA memory allocated during this call, or the process's peak resident set on CPU."""
     if device.type == "cuda":
-        return {"peak_memory_bytes": torch.cuda.max_memory_allocated(device), "peak_memory_kind": "cuda_allocated"}
+        return {"peak_memory_bytes": devices.peak_allocated_bytes(device), "peak_memory_kind": "cuda_allocated"}
     try:
         import resource  # POSIX only
     except ImportError:

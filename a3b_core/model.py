@@ -17,6 +17,9 @@ from .experts import FloatExperts, QuantizedExperts
 from .products import Linear
 
 GDN_CHUNK = 64
+# fp16 (GPUs without bf16) tops out at 65504: the residual stream is clamped below it after every layer, so one
+# outlier cannot become inf and then NaN in the next norm
+FP16_LIMIT = 65000.0
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -48,22 +51,21 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------------------------------- rotary
 def rotary_cos_sin(cfg: TextConfig, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [B, T, rotary_dim] from (t, h, w) positions [3, B, T]; frequency j reads the axis M-RoPE assigns it."""
+    """cos/sin [B, T, rotary_dim] from (t, h, w) positions [3, B, T]; frequency j reads the axis M-RoPE assigns it.
+    fp32 on the positions' device, as the reference computes them (MPS has no float64)."""
+    device = position_ids.device
     half = cfg.rotary_dim // 2
-    inv_freq = cfg.rope_theta ** (-torch.arange(half, dtype=torch.float64) * 2 / cfg.rotary_dim)
-    axis = torch.zeros(half, dtype=torch.long)
+    j = torch.arange(half, device=device)
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, device=device).float() / cfg.rotary_dim)
     t, h, w = cfg.mrope_section
-    j = torch.arange(half)
     if cfg.mrope_interleaved:
-        axis[(j % 3 == 1) & (j < 3 * h)] = 1
-        axis[(j % 3 == 2) & (j < 3 * w)] = 2
+        axis = torch.where((j % 3 == 1) & (j < 3 * h), 1, torch.where((j % 3 == 2) & (j < 3 * w), 2, 0))
     else:
-        axis[t:t + h] = 1
-        axis[t + h:] = 2
-    pos = position_ids.to(torch.float64)[axis]  # [half, B, T]: each frequency's own axis
+        axis = (j >= t).long() + (j >= t + h).long()
+    pos = position_ids.float().index_select(0, axis)  # [half, B, T]: each frequency's own axis
     angles = (pos * inv_freq[:, None, None]).permute(1, 2, 0)  # [B, T, half]
     emb = torch.cat([angles, angles], dim=-1)
-    return emb.cos().float(), emb.sin().float()
+    return emb.cos(), emb.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -107,16 +109,26 @@ class GatedAttention(nn.Module):
             start = cache.length
             k, v = cache.append_kv(self.layer, k, v)  # all cached keys/values [B, start + t, nkv, hd]
         q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        # causal over absolute positions, and padding (key_mask [B, S]) masked out
-        s = k.shape[2]
-        query_pos = (start + torch.arange(t, device=x.device))[:, None]
-        key_pos = torch.arange(s, device=x.device)[None, :]
-        mask = key_pos <= query_pos
-        if key_mask is not None:  # a padding query still sees itself, so no row is empty (which would give NaN)
-            mask = (mask & key_mask[:, None, None, :s]) | (key_pos == query_pos)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=nh != nkv)
+        o = F.scaled_dot_product_attention(q, k, v, enable_gqa=nh != nkv,
+                                           **attention_mask(t, k.shape[2], start, key_mask, x.device))
         o = o.transpose(1, 2).reshape(b, t, nh * hd)
         return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, nh * hd)))
+
+
+def attention_mask(t: int, s: int, start: int, key_mask: torch.Tensor | None, device: torch.device) -> dict:
+    """SDPA's mask arguments for t queries at positions start.. over s keys: causal over absolute positions, with
+    padding (key_mask [B, S]) masked out. Without padding a whole prompt is plain causal and one new token sees every
+    key, so no mask tensor is made and GPUs can use their fused (flash) kernels."""
+    if key_mask is None and t == s:
+        return {"is_causal": True}
+    if key_mask is None and t == 1:
+        return {}
+    query_pos = (start + torch.arange(t, device=device))[:, None]
+    key_pos = torch.arange(s, device=device)[None, :]
+    mask = key_pos <= query_pos
+    if key_mask is not None:  # a padding query still sees itself, so no row is empty (which would give NaN)
+        mask = (mask & key_mask[:, None, None, :s]) | (key_pos == query_pos)
+    return {"attn_mask": mask}
 
 
 # ------------------------------------------------------------------------------------------- gated deltanet
@@ -226,17 +238,17 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = GDN_CHUNK):
     q, k, v = (z.reshape(b, h, n, chunk, -1) for z in (q, k, v))
     beta, g = beta.reshape(b, h, n, chunk), g.reshape(b, h, n, chunk)
     cum = g.cumsum(-1)  # G_i
-    lower = torch.ones(chunk, chunk, dtype=torch.bool).tril()
+    lower = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
     decay = (cum[..., :, None] - cum[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # e^{G_i - G_j}, j <= i
     kk = k @ k.transpose(-1, -2)
     a = (beta[..., None] * decay * kk).tril(-1)
-    eye = torch.eye(chunk)
+    eye = torch.eye(chunk, dtype=k.dtype, device=k.device)
     solve = lambda rhs: torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
     u_value = solve(beta[..., None] * v)  # the part of U independent of the entering state
     u_state = solve(beta[..., None] * cum.exp()[..., None] * k)  # the part multiplied by it
     qk = (q @ k.transpose(-1, -2)) * decay
     decay_to_end = (cum[..., -1:] - cum).exp()[..., None]  # e^{G_last - G_j}
-    out = torch.empty(b, h, n, chunk, v.shape[-1])
+    out = v.new_empty(b, h, n, chunk, v.shape[-1])
     for c in range(n):
         u = u_value[:, :, c] - u_state[:, :, c] @ state
         out[:, :, c] = cum[:, :, c, :, None].exp() * (q[:, :, c] @ state) + qk[:, :, c] @ u
@@ -275,16 +287,16 @@ class SparseMoE(nn.Module):
 
     def routed_experts(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """Groups the (token, slot) pairs by expert and runs each used expert once on its tokens, on the device
-        that holds the experts (hidden states of offloaded experts travel to the CPU and back)."""
+        that holds the experts: hidden states and routing of experts kept in RAM travel to the CPU in one copy, and
+        the result comes back in one (the routing has to reach the host anyway, to pick the experts)."""
         home = x.device
-        device = self.experts.device
-        x, top_p = x.to(device), top_p.to(device)
+        if self.experts.device != home:
+            x, top_i, top_p = moved_together(x, top_i, top_p, self.experts.device)
         if x.shape[0] == 1:  # decoding one token: nothing to group, and the k experts' small ops run batched
             chosen = top_i[0].tolist()
             act = swiglu(torch.cat([self.experts.gate_up(e, x) for e in chosen]).to(x.dtype))  # [k, I]
             down = torch.cat([self.experts.down(e, row) for e, row in zip(chosen, act.split(1))]).to(x.dtype)
             return (down * top_p[0, :, None]).sum(0, keepdim=True).to(home)
-        top_i = top_i.to(device)
         out = torch.zeros_like(x)
         flat_e = top_i.reshape(-1)
         order = flat_e.argsort(stable=True)
@@ -303,6 +315,15 @@ class SparseMoE(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Routed expert e's SwiGLU on the rows of x."""
         return self.experts.down(e, swiglu(self.experts.gate_up(e, x).to(x.dtype))).to(x.dtype)
+
+
+def moved_together(x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [N, H], top_i [N, k] and top_p [N, k] on `device`, moved as one fp32 tensor: one transfer (and one wait)
+    instead of three. Expert ids are exact in fp32 (below 2**24)."""
+    h, k = x.shape[1], top_i.shape[1]
+    packed = torch.cat([x.float(), top_p.float(), top_i.float()], dim=1).to(device)
+    return packed[:, :h].to(x.dtype), packed[:, h + k:].long(), packed[:, h:h + k].to(top_p.dtype)
 
 
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
@@ -343,7 +364,8 @@ class DecoderLayer(nn.Module):
                 h = h * token_mask[..., None].to(h.dtype)
             h = self.linear_attn(h, cache)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x.clamp_(-FP16_LIMIT, FP16_LIMIT) if x.dtype == torch.float16 else x
 
 
 class TextModel(nn.Module):

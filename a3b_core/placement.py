@@ -5,17 +5,20 @@ A preset "Ngb" is N GiB of VRAM for the model. From it we reserve the CUDA conte
 (CUDA_CONTEXT_BYTES + GPU_WORKSPACE_BYTES = 1 GiB), then place, in this order: the dense parts (mixers, shared
 experts, routers, norms, lm_head) and the cache, which must fit; the vision tower, if it fits; then as many
 whole layers of routed experts as fit; and embed_tokens (a row lookup, fine on the CPU) only once everything else
-is on the GPU. Routed experts left over live in RAM and are computed by the CPU; RAM must hold them (weight
-format auto: int8, or int4 when RAM is short), whatever else is in RAM, and CPU_WORKSPACE_BYTES. "auto" plans for
-the free VRAM (torch.cuda.mem_get_info) and MemAvailable; without CUDA every preset becomes a cpu plan.
+is on the GPU. Dense parts are held in the compute format (bf16, fp16 or fp32); an FP8 checkpoint's dense parts stay
+FP8 on the GPU only when the compute format would not leave room for the cache at the full context. Routed experts
+left over live in RAM and are computed by the CPU; RAM must hold them (weight format auto: int8, or int4 when RAM is
+short), whatever else is in RAM, and CPU_WORKSPACE_BYTES. "auto" plans for the free VRAM (torch.cuda.mem_get_info)
+and MemAvailable; a plan without a GPU budget (preset cpu, or no accelerator) keeps everything in RAM.
 
 Bytes per format (vectors such as norms and biases are always kept in fp32):
-- bf16 2 B/weight; fp8 1 B/weight plus the checkpoint's block scales, and only where the checkpoint stores FP8;
+- bf16 / fp16 2 B/weight, fp32 4 B/weight; fp8 1 B/weight plus the checkpoint's block scales, and only where the
+  checkpoint stores FP8;
 - int8: 1 B/weight + one bf16 scale per output row (counted as one per 128 weights, ~0.51x of bf16);
 - int4: 0.5 B/weight + a bf16 scale and zero point per 128 weights (~0.27x of bf16).
-KV cache: full-attention layers x 2 x KV heads x head_dim per token, in bf16 / fp32, or int8 with one fp32 scale
-per token and head plus one layer's keys and values in bf16 as scratch. DeltaNet state: conv history and
-recurrent state in fp32, one sequence.
+KV cache: full-attention layers x 2 x KV heads x head_dim per token, in a float format or int8 with one fp32 scale
+per token and head; stored in another format than the compute one, plus one layer's keys and values in the compute
+format as scratch. DeltaNet state: conv history and recurrent state in fp32, per sequence.
 """
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from .cache import KV_FORMATS
 from .checkpoint import FP8_DTYPES, Checkpoint
 from .config import ModelConfig, load_config
 from .errors import PlacementError
@@ -36,6 +40,7 @@ MiB, GiB = 1 << 20, 1 << 30
 CUDA_CONTEXT_BYTES = 512 * MiB  # driver context, cuBLAS handles, allocator slack
 GPU_WORKSPACE_BYTES = 512 * MiB  # activations of a prefill chunk and of one large image in the vision tower
 CPU_WORKSPACE_BYTES = 1 * GiB  # CPU activations and one layer's buffers while experts are converted at load
+ACTIVATION_COPIES = 24  # fp32 copies of a layer's widest activation alive at once while prefilling (measured: < 20)
 
 
 @dataclass(frozen=True)
@@ -58,10 +63,10 @@ PRESET_NAMES = ("auto", *PRESETS, "cpu")
 CPU_CONTEXT = 32768
 MIN_CONTEXT = 4096  # an automatically chosen context is never halved below this
 WEIGHT_FORMATS = ("auto", "fp8", "int8", "int4", "bf16", "fp32")
-COMPUTE_FORMATS = ("bf16", "fp32")  # what the CPU holds dense parts and float experts in
-KV_CACHES = ("auto", "bf16", "fp32", "int8")
+COMPUTE_FORMATS = ("bf16", "fp16", "fp32")  # what dense parts and float experts are held and computed in
+KV_CACHES = KV_FORMATS
 QUANT = {"int8": (8, 128, 2), "int4": (4, 128, 4)}  # bits per weight, group size, bytes of scales per group
-FLOAT_BYTES = {"bf16": 2, "fp32": 4}
+FLOAT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 DENSE_GROUPS = ("lm_head", "mixers", "shared_experts", "routers", "mlp", "norms", "other")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 
@@ -104,6 +109,17 @@ class Plan:
     @property
     def cpu_bytes(self) -> int:
         return self._total("cpu")
+
+    @property
+    def workspace_bytes(self) -> int:
+        """The activation workspace on the dense device: what one prefill chunk may use."""
+        return sum(p.bytes for p in self.parts if p.name == ("workspace" if self.dense_device == "cuda"
+                                                                 else "cpu_workspace"))
+
+    @property
+    def cache_bytes(self) -> int:
+        """What the plan holds for generation state: the KV cache and the DeltaNet state."""
+        return sum(p.bytes for p in self.parts if p.name in ("kv_cache", "deltanet_state"))
 
     @property
     def headroom(self) -> int:
@@ -269,15 +285,31 @@ def expert_layout(config: ModelConfig, tensors: Tensors) -> str:
 
 
 # --------------------------------------------------------------------------------------------- cache sizes
-def kv_bytes(config: ModelConfig, tokens: int, kv_dtype: str) -> int:
-    """Keys and values of the full-attention layers for `tokens` tokens of one sequence, plus the padding mask."""
+def kv_bytes(config: ModelConfig, tokens: int, kv_dtype: str, compute_format: str = "bf16") -> int:
+    """Keys and values of the full-attention layers for `tokens` tokens of one sequence, plus the padding mask; a
+    cache stored in another format than the compute one adds one layer's keys and values in the compute format."""
     t = config.text
     full = t.layer_types.count("full_attention")
     vectors = tokens * full * 2 * t.num_kv_heads
-    if kv_dtype == "int8":
-        scratch = 2 * tokens * t.num_kv_heads * t.head_dim * FLOAT_BYTES["bf16"] if full else 0
-        return vectors * (t.head_dim + 4) + scratch + tokens
-    return vectors * t.head_dim * FLOAT_BYTES[kv_dtype] + tokens
+    scratch = 2 * tokens * t.num_kv_heads * t.head_dim * FLOAT_BYTES[compute_format] \
+        if full and kv_dtype != compute_format else 0
+    stored = vectors * (t.head_dim + 4) if kv_dtype == "int8" else vectors * t.head_dim * FLOAT_BYTES[kv_dtype]
+    return stored + scratch + tokens
+
+
+def cache_row_bytes(config: ModelConfig, tokens: int, kv_dtype: str, compute_format: str) -> int:
+    """What one more sequence of `tokens` tokens adds to a generation cache: keys and values, DeltaNet state."""
+    return kv_bytes(config, tokens, kv_dtype, compute_format) + deltanet_state_bytes(config)
+
+
+def activation_bytes_per_token(config: ModelConfig, compute_format: str) -> int:
+    """An upper bound on the temporaries one prompt token adds inside a decoder layer while prefilling (the
+    DeltaNet layers' fp32 intermediates dominate), as measured on the real model's shapes in the tests."""
+    t = config.text
+    conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim
+    value_dim = t.linear_num_value_heads * t.linear_value_head_dim
+    widest = max(conv_dim + value_dim, t.hidden_size, 2 * t.num_heads * t.head_dim)
+    return ACTIVATION_COPIES * widest * 4
 
 
 def deltanet_state_bytes(config: ModelConfig) -> int:
@@ -305,8 +337,7 @@ class _Planner:
         self.weight_format, self.kv_cache, self.max_context = weight_format, kv_cache, max_context
         self.compute_format = compute_format
         self.layers = tuple(inv.expert_layers)
-        self.gpu_expert_format = "fp8" if inv.experts_fp8 else "bf16"
-        self.gpu_dense_format = "fp8" if inv.dense_fp8 else "bf16"
+        self.gpu_expert_format = "fp8" if inv.experts_fp8 else compute_format
         self.tied = "lm_head" not in inv.groups and config.text.tie_word_embeddings
 
     def context_for(self, vram: int) -> int:
@@ -317,7 +348,8 @@ class _Planner:
 
     def _cache_choices(self, context: int, gpu: bool) -> Iterator[tuple[int, str]]:
         """(context, kv dtype) pairs to try, best first: bf16, then int8, then (if not user-set) shorter contexts."""
-        kvs = [self.kv_cache] if self.kv_cache != "auto" else ["bf16", "int8"] if gpu else [self.compute_format]
+        kvs = [self.kv_cache] if self.kv_cache != "auto" else [self.compute_format, "int8"] if gpu \
+            else [self.compute_format]
         while True:
             yield from ((context, kv) for kv in kvs)
             if self.max_context is not None or context // 2 < MIN_CONTEXT:
@@ -332,19 +364,16 @@ class _Planner:
 
     def plan(self, preset: str, gpu_budget: int, cpu_budget: int, gpu_experts: bool, notes: list[str]) -> Plan:
         """gpu_budget 0 plans for the CPU alone. Raises _NoFit when VRAM or RAM is too small."""
-        inv, gpu, notes = self.inv, gpu_budget > 0, list(notes)
-        dense_dev, dense_fmt = ("cuda", self.gpu_dense_format) if gpu else ("cpu", self.compute_format)
-        parts = [PlanPart(g, dense_dev, inv.label(g, dense_fmt), inv.bytes(g, dense_fmt))
-                 for g in DENSE_GROUPS if g in inv.groups]
+        inv, gpu, notes, compute = self.inv, gpu_budget > 0, list(notes), self.compute_format
+        dense_dev = "cuda" if gpu else "cpu"
+        dense_fmt = self._gpu_dense_format(gpu_budget) if gpu else compute
+        parts = self._dense_parts(dense_dev, dense_fmt)
         notes.append(f"dense parts (mixers, shared experts, routers, norms, lm_head) on the "
                      f"{'GPU' if gpu else 'CPU'} in {dense_fmt}"
-                     + (" as the checkpoint stores them (bf16 where it is not fp8)" if dense_fmt == "fp8" else ""))
-        embed = inv.bytes("embed_tokens", "bf16")
-        if self.tied:  # lm_head is embed_tokens: it goes where lm_head goes
-            parts.insert(0, PlanPart("embed_tokens+lm_head (tied)", dense_dev, "bf16", embed))
+                     + (f" as the checkpoint stores them ({compute} where it is not fp8), dequantised per use: "
+                        f"{compute} would not leave room for the cache" if dense_fmt == "fp8" else ""))
+        embed = inv.bytes("embed_tokens", compute)
         if gpu:
-            parts += [PlanPart("cuda_context", "cuda", "-", CUDA_CONTEXT_BYTES),
-                      PlanPart("workspace", "cuda", "-", GPU_WORKSPACE_BYTES)]
             notes.append(f"reserved on the GPU: {format_bytes(CUDA_CONTEXT_BYTES)} CUDA context and "
                          f"{format_bytes(GPU_WORKSPACE_BYTES)} activation workspace")
         cache, max_context = self._cache_parts(parts, dense_dev, gpu_budget, self.context_for(gpu_budget), notes)
@@ -355,9 +384,9 @@ class _Planner:
 
         vision_dev = "none"
         if "vision" in inv.groups:
-            vision = inv.bytes("vision", "bf16")
+            vision = inv.bytes("vision", compute)
             vision_dev = "cuda" if gpu and vision <= free_vram() else "cpu"
-            parts.append(PlanPart("vision", vision_dev, "bf16", vision))
+            parts.append(PlanPart("vision", vision_dev, compute, vision))
             if gpu and vision_dev == "cpu":
                 notes.append("vision tower in RAM, computed by the CPU: it did not fit in VRAM after the dense parts "
                              "and the cache")
@@ -379,7 +408,7 @@ class _Planner:
         if "embed_tokens" in inv.groups and not self.tied:
             # a lookup of one row per token: on the GPU only once everything else is there and it still fits
             embed_dev = "cuda" if gpu and not cpu_layers and embed <= free_vram() else "cpu"
-            parts.insert(0, PlanPart("embed_tokens", embed_dev, "bf16", embed))
+            parts.insert(0, PlanPart("embed_tokens", embed_dev, compute, embed))
             if gpu and embed_dev == "cpu":
                 notes.append("embed_tokens in RAM: one row is looked up per token, so it needs no GPU")
         parts.append(PlanPart("cpu_workspace", "cpu", "-", CPU_WORKSPACE_BYTES))
@@ -400,6 +429,30 @@ class _Planner:
                     embed_device=embed_dev, vision_device=vision_dev, kv_dtype=cache[0].format,
                     max_context=max_context, notes=tuple(notes))
 
+    def _dense_parts(self, device: str, fmt: str) -> list[PlanPart]:
+        """The dense groups in `fmt`, a tied embedding with them (it is lm_head), and on a GPU its fixed reserves."""
+        inv = self.inv
+        parts = [PlanPart(g, device, inv.label(g, fmt), inv.bytes(g, fmt)) for g in DENSE_GROUPS if g in inv.groups]
+        if self.tied:  # lm_head is embed_tokens: one tensor, where lm_head goes
+            parts.insert(0, PlanPart("embed_tokens+lm_head (tied)", device, self.compute_format,
+                                     inv.bytes("embed_tokens", self.compute_format)))
+        if device == "cuda":
+            parts += [PlanPart("cuda_context", "cuda", "-", CUDA_CONTEXT_BYTES),
+                      PlanPart("workspace", "cuda", "-", GPU_WORKSPACE_BYTES)]
+        return parts
+
+    def _gpu_dense_format(self, gpu_budget: int) -> str:
+        """The compute format, unless the checkpoint stores dense parts in FP8 and, in the compute format, they would
+        not leave room for the first cache choice at the full context (and the vision tower): then FP8 as stored,
+        dequantised per use, which costs time on every token."""
+        if not self.inv.dense_fp8:
+            return self.compute_format
+        context, kv = next(self._cache_choices(self.context_for(gpu_budget), True))
+        need = (sum(p.bytes for p in self._dense_parts("cuda", self.compute_format))
+                + kv_bytes(self.config, context, kv, self.compute_format) + deltanet_state_bytes(self.config)
+                + self.inv.bytes("vision", self.compute_format))
+        return self.compute_format if need <= gpu_budget else "fp8"
+
     def _cache_parts(self, parts: list[PlanPart], device: str, gpu_budget: int, context: int,
                      notes: list[str]) -> tuple[list[PlanPart], int]:
         """The KV cache and DeltaNet state parts and the context: on the GPU, the first choice that fits."""
@@ -407,10 +460,11 @@ class _Planner:
         choices = list(self._cache_choices(context, device == "cuda"))
         if device == "cuda":
             fixed = sum(p.bytes for p in parts if p.device == "cuda") + state
-            fitting = [(c, kv) for c, kv in choices if fixed + kv_bytes(self.config, c, kv) <= gpu_budget]
+            fitting = [(c, kv) for c, kv in choices
+                       if fixed + kv_bytes(self.config, c, kv, self.compute_format) <= gpu_budget]
             if not fitting:
                 c, kv = choices[-1]
-                raise _NoFit("VRAM", fixed + kv_bytes(self.config, c, kv), gpu_budget,
+                raise _NoFit("VRAM", fixed + kv_bytes(self.config, c, kv, self.compute_format), gpu_budget,
                              f"the dense parts, the CUDA reserve and the cache for {c} tokens in {kv}")
         else:
             fitting = choices
@@ -421,7 +475,7 @@ class _Planner:
         full = self.config.text.layer_types.count("full_attention")
         notes.append(f"KV cache in {kv} for {tokens} tokens ({full} full-attention layers, one sequence); the "
                      f"DeltaNet state is {format_bytes(state)} at any length")
-        return [PlanPart("kv_cache", device, kv, kv_bytes(self.config, tokens, kv)),
+        return [PlanPart("kv_cache", device, kv, kv_bytes(self.config, tokens, kv, self.compute_format)),
                 PlanPart("deltanet_state", device, "fp32", state)], tokens
 
     def _cpu_expert_format(self, parts: list[PlanPart], cpu_layers: list[int], cpu_budget: int,

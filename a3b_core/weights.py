@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -16,7 +16,7 @@ from torch import nn
 
 from .checkpoint import FP8_DTYPES, Checkpoint
 from .config import TextConfig
-from .errors import CheckpointError
+from .errors import CheckpointError, PlacementError
 from .experts import FLOAT_FORMATS, FP8_BLOCK, Fp8Linear, QuantizedExperts
 
 TEXT_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.", "")
@@ -81,10 +81,12 @@ ExpertPlacement = Callable[[int], tuple[str, torch.device]]  # layer -> (expert 
 
 def load_text_model(module: nn.Module, cfg: TextConfig, ckpt: Checkpoint, compute_dtype: torch.dtype,
                     progress: Progress | None = None, expert_placement: ExpertPlacement | None = None,
-                    cache_dir: Path | None = None, keep_fp8: bool = False) -> str:
+                    cache_dirs: Mapping[str, Path] | None = None, keep_fp8: bool = False) -> str:
     """Fills a meta-device TextModel. Routed experts follow `expert_placement` (default: the compute dtype, on the
-    CPU); quantised formats are converted one expert at a time and cached under `cache_dir` for the next load.
-    With `keep_fp8`, dense matrices stored as FP8 stay FP8 (Fp8Linear). Returns the checkpoint's name prefix."""
+    CPU): float formats are loaded on the CPU (placing the model moves them), quantised ones are built on their
+    device; int8/int4 are converted one expert at a time and cached under `cache_dirs[format]` for the next load.
+    With `keep_fp8`, dense matrices stored as FP8 stay FP8 (Fp8Linear). A tied lm_head is the embedding's own
+    Parameter. Returns the checkpoint's name prefix."""
     prefix = find_prefix(ckpt, "embed_tokens.weight", TEXT_PREFIXES, "language model")
     if keep_fp8:
         keep_fp8_linears(module, ckpt, prefix)
@@ -97,6 +99,7 @@ def load_text_model(module: nn.Module, cfg: TextConfig, ckpt: Checkpoint, comput
         if fmt in FLOAT_FORMATS:
             float_experts[layer] = FLOAT_FORMATS[fmt]
         else:
+            cache_dir = (cache_dirs or {}).get(fmt)
             block.mlp.experts = load_quantized_experts(ckpt, f"{prefix}layers.{layer}.mlp.experts.", cfg, fmt, device,
                                                        cache_dir / f"layer{layer}.safetensors" if cache_dir else None)
 
@@ -115,6 +118,8 @@ def load_text_model(module: nn.Module, cfg: TextConfig, ckpt: Checkpoint, comput
         return None
 
     load_module(module, ckpt, prefix, compute_dtype, special, progress)
+    if "lm_head.weight" not in ckpt:
+        module.lm_head.weight = module.embed_tokens.weight
     return prefix
 
 
@@ -131,6 +136,7 @@ def keep_fp8_linears(module: nn.Module, ckpt: Checkpoint, prefix: str) -> None:
 
 
 FORMAT_OF_DTYPE = {dtype: fmt for fmt, dtype in FLOAT_FORMATS.items()}
+CONVERTED_EXPERT_FORMATS = ("int8", "int4")  # FP8 experts are kept as released: nothing to convert or cache
 
 
 def load_experts(ckpt: Checkpoint, base: str, cfg: TextConfig, which: str, dtype: torch.dtype) -> torch.Tensor:
@@ -174,6 +180,9 @@ def expert_matrix(ckpt: Checkpoint, base: str, cfg: TextConfig, which: str, j: i
 
 def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: TextConfig, fmt: str, device: torch.device,
                            cache_file: Path | None) -> QuantizedExperts:
+    if fmt == "int4" and device.type != "cpu":
+        raise PlacementError(f"int4 routed experts can only be computed by the CPU (torch's CPU int4 kernel), not on "
+                             f"{device}; keep them in RAM, or put fp8/bf16 experts on the GPU.")
     experts = QuantizedExperts(fmt, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, "cpu")
     state = experts.state_dict()
     if cache_file is not None and cache_file.is_file():

@@ -93,8 +93,27 @@ def test_every_preset_fits_its_budget_with_cache_and_workspace(kind, preset):
     on_cpu = [layer for layer in range(40) if layer not in p.gpu_expert_layers]
     cpu_experts = part(p, "routed_experts_cpu")
     assert (cpu_experts is None) == (not on_cpu)
-    assert p.dense_format == ("fp8" if kind == "fp8" else "bf16")
+    assert p.dense_format == "bf16"  # bf16 dense parts leave room for the full context in every preset
     assert p.expert_format_gpu == ("fp8" if kind == "fp8" else "bf16")
+
+
+def test_fp8_dense_parts_stay_fp8_only_when_bf16_leaves_no_room_for_the_cache():
+    roomy = plan("fp8", "auto", gpu_free=8 * GiB, max_context=32768)
+    tight = plan("fp8", "auto", gpu_free=5 * GiB, max_context=32768)
+    assert roomy.dense_format == "bf16" and part(roomy, "mixers").format == "bf16"
+    assert tight.dense_format == "fp8" and part(tight, "mixers").format == "fp8"
+    assert part(tight, "mixers").bytes < 0.55 * part(roomy, "mixers").bytes
+    assert tight.max_context == roomy.max_context == 32768 and tight.gpu_bytes <= 5 * GiB
+    assert any("dequantised per use" in note for note in tight.notes)
+
+
+def test_a_float32_gpu_plan_counts_float32_dense_parts_and_cache():
+    bf16 = plan("bf16", "48gb", cpu_free=256 * GiB)
+    fp32 = plan("bf16", "48gb", compute_format="fp32", cpu_free=256 * GiB)
+    assert fp32.dense_format == "fp32" and fp32.kv_dtype == "fp32" and fp32.expert_format_gpu == "fp32"
+    assert part(fp32, "mixers").bytes > 1.99 * part(bf16, "mixers").bytes  # matrices doubled, vectors fp32 in both
+    assert part(fp32, "kv_cache").bytes == kv_bytes(real_config(), fp32.max_context, "fp32", "fp32")
+    assert fp32.gpu_bytes <= fp32.gpu_budget
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
@@ -106,9 +125,9 @@ def test_8gb_keeps_every_routed_expert_in_ram(kind):
     assert p.gpu_bytes <= 8 * GiB and any("--cpu-moe" in n for n in p.notes)
 
 
-def test_48gb_puts_everything_on_the_gpu_in_fp8():
+def test_48gb_puts_everything_on_the_gpu_with_fp8_experts():
     p = plan("fp8", "48gb")
-    assert p.gpu_expert_layers == tuple(range(40)) and p.expert_format_gpu == "fp8" and p.dense_format == "fp8"
+    assert p.gpu_expert_layers == tuple(range(40)) and p.expert_format_gpu == "fp8" and p.dense_format == "bf16"
     assert p.embed_device == p.vision_device == p.dense_device == "cuda"
     assert [x.name for x in p.parts if x.device == "cpu"] == ["cpu_workspace"]
     assert p.cpu_bytes == CPU_WORKSPACE_BYTES and p.expert_format_cpu == "none"
