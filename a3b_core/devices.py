@@ -48,8 +48,13 @@ def bf16_is_native(device: torch.device) -> bool:
 
 
 def free_bytes(device: torch.device) -> int | None:
-    """Free memory on a CUDA device as the driver reports it; None elsewhere."""
-    return torch.cuda.mem_get_info(device)[0] if is_real_cuda(device) else None
+    """Free memory on a CUDA device as the driver reports it; None elsewhere, or where no driver answers."""
+    if device.type != "cuda":
+        return None
+    try:
+        return torch.cuda.mem_get_info(device)[0]
+    except (RuntimeError, AssertionError):  # no driver, or a torch built without CUDA
+        return None
 
 
 def allocated_bytes(device: torch.device) -> int:

@@ -207,14 +207,15 @@ class A3BModel:
         return self.text(self.embed(input_ids, images), position_ids, cache, mask, last_only)
 
     def prefill(self, input_ids: torch.Tensor, images: EncodedImages | None, cache: Cache,
-                attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor:
-        """Runs a prompt batch (input_ids [B, T] in RAM) into `cache`, a chunk of tokens at a time so that the
-        activations stay within the plan's workspace; returns the last position's logits [B, V]."""
+                attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                chunk: int | None = None) -> torch.Tensor:
+        """Runs a prompt batch (input_ids [B, T] in RAM) into `cache`, `chunk` tokens at a time (default: what the
+        plan's activation workspace holds); returns the last position's logits [B, V]."""
         pads = input_ids == self.config.image_token_id
         image_rows = self.image_rows(input_ids, images)
         per_row = image_rows.split(pads.sum(1).tolist()) if image_rows is not None else ()  # each row's own, in order
         used = [0] * input_ids.shape[0]
-        chunk = self.prefill_chunk(input_ids.shape[0])
+        chunk = chunk or self.prefill_chunk(input_ids.shape[0])
         for start in range(0, input_ids.shape[1], chunk):
             end = start + chunk
             rows = None

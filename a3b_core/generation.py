@@ -349,12 +349,12 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
     active = list(range(len(rows)))  # rows still in the batch, in batch order
     decoded = 0
     for step in range(opts.max_new_tokens):
-        sampled = sampler(logits).tolist()
+        sampled = sampler(logits)
         if step == 0:
             stats["ttft_s"] = time.perf_counter() - started
             stats["prefill_tok_s"] = sum(lengths) / stats["ttft_s"]
         chosen = [rows[r].choose(s) for r, s in zip(active, sampled)]
-        tokens = torch.tensor(chosen, device=device)
+        tokens = torch.tensor(chosen)  # in RAM: the embedding lookup and the sampler take them from there
         sampler.observe(tokens)
         for r, token in zip(active, chosen):
             if rows[r].add(token, eos_ids) and on_text is not None:
@@ -369,10 +369,10 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
             kept = torch.tensor(keep, device=device)
             cache.keep_rows(kept)
             sampler.keep_rows(kept)
-            offsets, tokens = offsets[kept], tokens[kept]
+            offsets, tokens = offsets[kept], tokens[keep]
             active = [active[i] for i in keep]
         position = (cache.length + offsets).view(1, -1, 1).expand(3, -1, -1)
-        logits = model.text(model.embed(tokens[:, None], None), position, cache, None, last_only=True)[:, -1]
+        logits = model.text(model.embed_rows(tokens[:, None], None), position, cache, None, last_only=True)[:, -1]
         decoded += len(active)
     decode_s = time.perf_counter() - started - stats["ttft_s"]
     stats["decode_tok_s"] = decoded / decode_s if decoded and decode_s > 0 else 0.0

@@ -293,14 +293,15 @@ class SparseMoE(nn.Module):
         if self.experts.device != home:
             x, top_i, top_p = moved_together(x, top_i, top_p, self.experts.device)
         if x.shape[0] == 1:  # decoding one token: nothing to group, and the k experts' small ops run batched
-            chosen = top_i[0].tolist()
+            chosen = top_i[0].cpu().tolist()  # the one copy to the host this layer needs
             act = swiglu(torch.cat([self.experts.gate_up(e, x) for e in chosen]).to(x.dtype))  # [k, I]
             down = torch.cat([self.experts.down(e, row) for e, row in zip(chosen, act.split(1))]).to(x.dtype)
             return (down * top_p[0, :, None]).sum(0, keepdim=True).to(home)
         out = torch.zeros_like(x)
         flat_e = top_i.reshape(-1)
         order = flat_e.argsort(stable=True)
-        counts = torch.bincount(flat_e, minlength=self.cfg.num_experts).tolist()
+        # tokens per expert (bincount's output size depends on the data, which a graph or fake tensor cannot know)
+        counts = flat_e.new_zeros(self.cfg.num_experts).index_add_(0, flat_e, torch.ones_like(flat_e)).cpu().tolist()
         tokens = order // top_i.shape[1]
         weights = top_p.reshape(-1)[order]
         start = 0

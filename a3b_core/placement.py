@@ -11,9 +11,9 @@ left over live in RAM and are computed by the CPU; RAM must hold them (weight fo
 short), whatever else is in RAM, and CPU_WORKSPACE_BYTES. "auto" plans for the free VRAM (torch.cuda.mem_get_info)
 and MemAvailable; a plan without a GPU budget (preset cpu, or no accelerator) keeps everything in RAM.
 
-Bytes per format (vectors such as norms and biases are always kept in fp32):
-- bf16 / fp16 2 B/weight, fp32 4 B/weight; fp8 1 B/weight plus the checkpoint's block scales, and only where the
-  checkpoint stores FP8;
+Bytes per format (vectors such as norms and biases, and the DeltaNet conv kernels, are always kept in fp32):
+- bf16 / fp16 2 B/weight, fp32 4 B/weight; fp8 1 B/weight plus the checkpoint's block scales (held in fp32), and
+  only where the checkpoint stores FP8;
 - int8: 1 B/weight + one bf16 scale per output row (counted as one per 128 weights, ~0.51x of bf16);
 - int4: 0.5 B/weight + a bf16 scale and zero point per 128 weights (~0.27x of bf16).
 KV cache: full-attention layers x 2 x KV heads x head_dim per token, in a float format or int8 with one fp32 scale
@@ -35,6 +35,7 @@ from .cache import KV_FORMATS
 from .checkpoint import FP8_DTYPES, Checkpoint
 from .config import ModelConfig, load_config
 from .errors import PlacementError
+from .weights import stays_fp32
 
 MiB, GiB = 1 << 20, 1 << 30
 CUDA_CONTEXT_BYTES = 512 * MiB  # driver context, cuBLAS handles, allocator slack
@@ -218,9 +219,9 @@ def _is_scale(name: str) -> bool:
 def tensor_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: str) -> int:
     """Bytes one checkpoint tensor takes once loaded in `fmt` (FP8 scales only count while kept as fp8)."""
     numel = math.prod(shape)
-    if _is_scale(name):
-        return numel * dtype.itemsize if fmt == "fp8" else 0
-    if len(shape) <= 1:
+    if _is_scale(name):  # kept in fp32 next to FP8 weights; gone once they are dequantised
+        return numel * 4 if fmt == "fp8" else 0
+    if stays_fp32(name, shape):
         return numel * 4
     if fmt == "fp8":
         return numel * (1 if dtype in FP8_DTYPES else 2)

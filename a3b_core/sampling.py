@@ -1,7 +1,10 @@
 """Choosing the next token: Qwen's recommended sampler settings, logits processors, and a seeded sampler.
 
 Processing order per step (the order transformers uses): penalties -> temperature -> top-k -> top-p -> min-p, then
-either the argmax (temperature 0) or a draw from the remaining distribution with a seeded torch.Generator.
+either the argmax (temperature 0) or a draw from the remaining distribution with a seeded CPU torch.Generator.
+Penalties, the argmax and the top-k selection run where the logits are; one copy per step brings the chosen ids (or
+the top-k candidates) to the CPU, where the rest is computed on k values. So a seed gives the same tokens on every
+device (for the same logits), and no device generator is needed.
 
 Penalties follow the OpenAI/vLLM meanings: `presence_penalty` is subtracted once from the logit of every token the
 model has already generated in this answer; `repetition_penalty` (the CTRL rule) divides positive and multiplies
@@ -96,13 +99,6 @@ def apply_penalties(logits: torch.Tensor, generated: torch.Tensor | None, seen: 
     return logits
 
 
-def filter_top_k(logits: torch.Tensor, k: int) -> torch.Tensor:
-    if 0 < k < logits.shape[-1]:
-        kth = logits.topk(k, dim=-1).values[:, -1:]
-        logits.masked_fill_(logits < kth, -math.inf)
-    return logits
-
-
 def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Keeps the smallest set of most likely tokens whose probabilities add up to at least p."""
     if p >= 1.0:
@@ -128,7 +124,7 @@ class Sampler:
     def __init__(self, params: SamplingParams, prompts: list[list[int]], vocab_size: int, device: torch.device,
                  seed: int):
         self.params = params
-        self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(seed)
         batch = len(prompts)
         self.generated = self.seen = None
         if params.presence_penalty != 0.0:
@@ -138,21 +134,28 @@ class Sampler:
             for row, ids in enumerate(prompts):
                 self.seen[row, torch.tensor(ids, dtype=torch.long, device=device)] = True
 
-    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
-        """Float logits [B, V] (changed in place) -> next token ids [B]."""
+    def __call__(self, logits: torch.Tensor) -> list[int]:
+        """Float logits [B, V] (changed in place) -> the next token id of each row."""
         p = self.params
         apply_penalties(logits, self.generated, self.seen, p.presence_penalty, p.repetition_penalty)
         if p.greedy:
-            return logits.argmax(dim=-1)
-        logits.div_(p.temperature)
-        filter_min_p(filter_top_p(filter_top_k(logits, p.top_k), p.top_p), p.min_p)
-        return torch.multinomial(logits.softmax(dim=-1), 1, generator=self.generator)[:, 0]
+            return logits.argmax(dim=-1).cpu().tolist()
+        k = p.top_k if 0 < p.top_k < logits.shape[-1] else logits.shape[-1]
+        if k < logits.shape[-1]:
+            values, ids = logits.topk(k, dim=-1)  # the candidates, most likely first; ids are exact in fp32
+            values, ids = torch.cat([values, ids.float()], dim=-1).cpu().split(k, dim=-1)
+        else:
+            values, ids = logits.cpu(), None
+        values.div_(p.temperature)
+        filter_min_p(filter_top_p(values, p.top_p), p.min_p)
+        picks = torch.multinomial(values.softmax(dim=-1), 1, generator=self.generator)
+        return (picks if ids is None else ids.gather(-1, picks).long())[:, 0].tolist()
 
     def observe(self, tokens: torch.Tensor) -> None:
-        """Records the tokens [B] just appended to each row."""
+        """Records the tokens [B] (on any device) just appended to each row."""
         for mask in (self.generated, self.seen):
             if mask is not None:
-                mask.scatter_(1, tokens[:, None], True)
+                mask.scatter_(1, tokens[:, None].to(mask.device), True)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drops finished rows: keeps `rows` (indices into the current batch), in that order."""

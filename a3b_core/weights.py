@@ -33,10 +33,14 @@ def find_prefix(ckpt: Checkpoint, probe: str, prefixes: tuple[str, ...], what: s
                           f" so the {what} weights cannot be found. Is this a Qwen3.5/3.6 checkpoint?")
 
 
+def stays_fp32(name: str, tensor_shape: tuple[int, ...]) -> bool:
+    """Vectors (norm weights, biases, gates' scalars) and the DeltaNet conv kernels (tiny, and applied in fp32) are
+    kept in fp32 whatever the compute dtype."""
+    return len(tensor_shape) <= 1 or name.endswith("conv1d.weight")
+
+
 def param_dtype(name: str, tensor_shape: tuple[int, ...], compute_dtype: torch.dtype) -> torch.dtype:
-    """Vectors (norm weights, biases, gates' scalars) and the DeltaNet conv kernels (tiny, and applied in fp32) stay
-    fp32; matrices use the compute dtype."""
-    return torch.float32 if len(tensor_shape) <= 1 or name.endswith("conv1d.weight") else compute_dtype
+    return torch.float32 if stays_fp32(name, tensor_shape) else compute_dtype
 
 
 def _set_param(root: nn.Module, name: str, value: torch.Tensor) -> None:

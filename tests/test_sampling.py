@@ -6,7 +6,7 @@ import torch
 
 from a3b_core.errors import GenerationError
 from a3b_core.sampling import (QWEN_RECOMMENDED, Sampler, SamplingParams, apply_penalties, filter_min_p,
-                               filter_top_k, filter_top_p, resolve_sampling)
+                               filter_top_p, resolve_sampling)
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 
@@ -45,11 +45,6 @@ def test_out_of_range_values_name_themselves(values):
     name = next(iter(values))
     with pytest.raises(GenerationError, match=name):
         resolve_sampling(False, **values)
-
-
-def test_top_k_keeps_the_k_most_likely():
-    assert kept(filter_top_k(logits_of(PROBS, [2, 0, 3, 1]), 2)) == {0, 2}
-    assert kept(filter_top_k(logits_of(PROBS), 0)) == {0, 1, 2, 3}  # 0 = off
 
 
 @pytest.mark.parametrize("top_p, expected", [(0.4, {0}), (0.49, {0}), (0.75, {0, 1}), (0.85, {0, 1, 2}),
@@ -94,12 +89,12 @@ def test_sampler_tracks_prompt_and_generated_tokens():
     sampler.keep_rows(torch.tensor([1]))
     assert sampler.generated.nonzero().tolist() == [[0, 1]]
     # row [1]: token 1 (generated, 2.0) -> 2.0 / 2 - 1 = 0.0 loses to token 5 (never seen, 0.5)
-    assert sampler(torch.tensor([[0.0, 2.0, 0.0, 0.0, 0.0, 0.5]])).tolist() == [5]
+    assert sampler(torch.tensor([[0.0, 2.0, 0.0, 0.0, 0.0, 0.5]])) == [5]
 
 
 def draws(params: SamplingParams, seed: int, n: int = 400) -> list[int]:
     sampler = Sampler(params, [[0]] * n, vocab_size=len(PROBS), device=torch.device("cpu"), seed=seed)
-    return sampler(logits_of(PROBS).repeat(n, 1)).tolist()
+    return sampler(logits_of(PROBS).repeat(n, 1))
 
 
 def test_seeded_sampling_is_reproducible_and_seeds_differ():
@@ -111,7 +106,8 @@ def test_seeded_sampling_is_reproducible_and_seeds_differ():
 
 def test_sampling_never_draws_filtered_tokens():
     assert set(draws(SamplingParams(1.0, 0.75, 0, 0.0, 0.0, 1.0), seed=1)) == {0, 1}
-    assert set(draws(SamplingParams(1.0, 1.0, 3, 0.0, 0.0, 1.0), seed=1)) == {0, 1, 2}
+    assert set(draws(SamplingParams(1.0, 1.0, 3, 0.0, 0.0, 1.0), seed=1)) == {0, 1, 2}  # top_k keeps the 3 likeliest
+    assert set(draws(SamplingParams(1.0, 1.0, 2, 0.0, 0.0, 1.0), seed=1)) == {0, 1}
     assert set(draws(SamplingParams(1.0, 1.0, 0, 0.5, 0.0, 1.0), seed=1)) == {0, 1}
     assert set(draws(SamplingParams(5.0, 1.0, 1, 0.0, 0.0, 1.0), seed=1)) == {0}  # top_k=1 is greedy
 
