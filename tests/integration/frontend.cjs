@@ -4,7 +4,8 @@
 //       load each UI workflow, set the widgets OVERRIDES names ({"NodeClass": {"widget": value}}), convert it with
 //       app.graphToPrompt() and, with 'run', queue it, wait for it, read what the nodes show and take a
 //       screenshot; prints a JSON report
-//   node frontend.cjs build URL WORKFLOWS_DIR SPECS.json          build UI + API workflows from node specs
+//   node frontend.cjs build URL WORKFLOWS_DIR SPECS.json          build UI workflows, and their API copies in
+//                                                                  WORKFLOWS_DIR/api, from node specs
 //
 // A3B_PLAYWRIGHT names the playwright-core module to load (it lives in a cache folder, not in the repository).
 const fs = require("fs");
@@ -138,7 +139,7 @@ async function build(url, workflowsDir, specsFile) {
       return { ui: app.graph.serialize(), api: output };
     }, spec);
     fs.writeFileSync(path.join(workflowsDir, `${name}.json`), JSON.stringify(result.ui, null, 2) + "\n");
-    fs.writeFileSync(path.join(workflowsDir, `${name}.api.json`), JSON.stringify(result.api, null, 2) + "\n");
+    fs.writeFileSync(path.join(workflowsDir, "api", `${name}.json`), JSON.stringify(result.api, null, 2) + "\n");
   }
   await browser.close();
 }

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.integration.comfy_server import CHROMIUM, NODE_MODULES, ComfyServer
+from tests.integration.comfy_server import CHROMIUM, NODE_MODULES, PACK_NAME, ComfyServer
 from tests.integration.conftest import (TEST_MAX_NEW_TOKENS, TINY_MODEL, WORKFLOWS, error_message,
                                         load_api_workflow)
 
 pytestmark = pytest.mark.comfyui
 
-UI_WORKFLOWS = sorted(path for path in WORKFLOWS.glob("*.json") if not path.name.endswith(".api.json"))
+UI_WORKFLOWS = sorted(WORKFLOWS.glob("*.json"))  # the API copies are in workflows/api/
 FRONTEND_TIMEOUT_S = 900
 
 
@@ -41,6 +41,14 @@ def run_frontend(comfy: ComfyServer, out_dir: Path, mode: str, overrides: dict) 
 def test_the_three_workflows_are_shipped() -> None:
     assert [path.stem for path in UI_WORKFLOWS] == ["comic_storyboard", "multi_angle_captioning",
                                                      "pixel_art_lora_captioning"]
+
+
+def test_the_template_browser_lists_exactly_the_ui_workflows(comfy: ComfyServer) -> None:
+    templates = comfy.get("/api/workflow_templates")
+    assert sorted(templates[PACK_NAME]) == ["comic_storyboard", "multi_angle_captioning", "pixel_art_lora_captioning"]
+    for name in templates[PACK_NAME]:  # what the browser opens: a UI graph
+        workflow = comfy.get(f"/api/workflow_templates/{PACK_NAME}/{name}.json")
+        assert workflow["nodes"] and workflow["links"], name
 
 
 def test_ui_workflows_convert_to_the_shipped_api_copies(comfy: ComfyServer, tmp_path: Path) -> None:
