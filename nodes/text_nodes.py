@@ -5,6 +5,7 @@ from typing import Any
 
 from . import comfy_bridge as bridge
 from .comfy_bridge import io
+from .generation import generate_answers, speed_line
 from .live_text import LiveText
 from .model_handle import A3BModelHandle
 from .prompt_spec import MODES, SINGLE, PromptSpec, build_prompts
@@ -126,6 +127,12 @@ class A3BGenerate(io.ComfyNode):
                                tooltip="Divides the scores of tokens already used (1.0 = off). Qwen: 1.0."),
                 io.Int.Input("seed", default=0, min=0, max=_MAX_SEED, control_after_generate=True,
                              tooltip="Random seed; the same seed and inputs give the same answer."),
+                # last, and optional: workflows saved before it existed keep their widget values in place (the UI
+                # assigns them by position) and API graphs without it still validate
+                io.Int.Input("thinking_budget", default=0, min=0, max=32768, optional=True,
+                             tooltip="With thinking on: the most tokens the model may reason for; then its "
+                                     "reasoning is closed and it answers. Counts towards max_new_tokens. "
+                                     "0 = no limit."),
             ],
             outputs=[
                 io.String.Output(display_name="answer", is_output_list=True,
@@ -139,7 +146,7 @@ class A3BGenerate(io.ComfyNode):
     @classmethod
     def execute(cls, model: A3BModelHandle, prompt: PromptSpec, mode: str, max_new_tokens: int, temperature: float,
                 top_p: float, top_k: int, min_p: float, presence_penalty: float, repetition_penalty: float,
-                seed: int) -> io.NodeOutput:
+                seed: int, thinking_budget: int = 0) -> io.NodeOutput:
         bridge.raise_if_interrupted()
         engine = model.acquire()
         prompts = build_prompts(engine, prompt, mode)
@@ -155,14 +162,13 @@ class A3BGenerate(io.ComfyNode):
                         min_p=min_p, presence_penalty=presence_penalty, repetition_penalty=repetition_penalty,
                         seed=seed, should_stop=bridge.processing_interrupted)
         try:
-            if len(prompts) == 1:
-                results = [engine.generate(prompts[0], on_text=lambda text: on_text(0, text), **sampling)]
-            else:
-                results = engine.generate_batch(prompts, on_text=on_text, **sampling)
+            results = generate_answers(engine, prompts, thinking_budget=thinking_budget, on_text=on_text, **sampling)
         finally:
             model.finished_run()
         bridge.raise_if_interrupted()  # stopped early: end as ComfyUI's "interrupted", not with a partial answer
         answers = [result.text for result in results]
         live.finish(answers)
         progress.set(max_new_tokens * len(prompts))
-        return io.NodeOutput(answers, [result.reasoning for result in results], ui={"a3b_answer": answers})
+        speed = speed_line([result.stats for result in results])
+        return io.NodeOutput(answers, [result.reasoning for result in results],
+                             ui={"a3b_answer": answers, "a3b_speed": [speed]})

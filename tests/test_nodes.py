@@ -1,5 +1,5 @@
 """The node pack's logic that needs no ComfyUI: model folder listing and confinement, caption files, prompt
-ingredients, live text, and the bridge's behaviour outside ComfyUI."""
+ingredients, live text, Generate's engine call and speed line, and the bridge's behaviour outside ComfyUI."""
 from __future__ import annotations
 
 import os
@@ -9,11 +9,13 @@ import pytest
 
 import torch
 
-from a3b_core import EncodedImages
+from a3b_core import EncodedImages, load_model
 from a3b_core.errors import ConfigError, PromptError
+from a3b_core.generation import BUDGET_CLOSE
 from a3b_core.prompt import Turn
 from nodes import comfy_bridge
 from nodes.captions import caption_stems, caption_text, confined_folder, write_text_atomic
+from nodes.generation import generate_answers, speed_line
 from nodes.live_text import LiveText
 from nodes.model_folders import DEMO_MODEL, list_model_folders, loader_choices, resolve_model
 from nodes.model_handle import PRESETS, preset_budget_bytes
@@ -203,6 +205,68 @@ def test_live_text_shows_one_section_per_image_in_per_image_mode() -> None:
     assert sent == ["[image 1]\n\n\n[image 2]\na slime"]
     live.finish(["a knight", "a slime"])
     assert sent[-1] == "[image 1]\na knight\n\n[image 2]\na slime"
+
+
+# --- Generate's engine call and speed line ------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo_model():
+    return load_model("a3b-demo")
+
+
+def _thinking_prompts(model, count: int) -> list:
+    return [model.build_prompt(user="Write a 4-panel comic storyboard.", thinking=True) for _ in range(count)]
+
+
+@pytest.mark.parametrize("count", [1, 2], ids=["single", "batch"])
+def test_the_thinking_budget_widget_caps_the_reasoning_and_an_answer_follows(demo_model, count: int) -> None:
+    budget = 4  # the demo model reasons for 8 tokens, then ends without an answer, when nothing stops it
+    streamed: dict[int, str] = {}
+    results = generate_answers(demo_model, _thinking_prompts(demo_model, count), thinking_budget=budget,
+                               on_text=streamed.__setitem__, max_new_tokens=64, seed=3)
+    close = demo_model.tokenizer.encode(BUDGET_CLOSE)
+    for index, result in enumerate(results):
+        assert result.token_ids[budget:budget + len(close)] == close  # forced right after `budget` reasoning tokens
+        assert len(demo_model.tokenizer.encode(result.reasoning)) <= budget
+        assert result.text.strip()
+        assert streamed[index] == result.full_text
+
+
+def test_a_thinking_budget_of_0_means_no_cap(demo_model) -> None:
+    (result,) = generate_answers(demo_model, _thinking_prompts(demo_model, 1), thinking_budget=0,
+                                 on_text=lambda index, text: None, max_new_tokens=64, seed=3)
+    assert len(demo_model.tokenizer.encode(result.reasoning)) > 4
+    assert result.text == ""  # the demo model's own ending: it never closed its reasoning
+
+
+def _stats(new_tokens: int, stop_reason: str, decode_tok_s: float = 41.23) -> dict:
+    return {"ttft_s": 0.0312, "prefill_tok_s": 812.4, "decode_tok_s": decode_tok_s, "new_tokens": new_tokens,
+            "stop_reason": stop_reason, "batch_size": 1, "prompt_tokens": 25}
+
+
+def test_speed_line_of_one_answer() -> None:
+    assert speed_line([_stats(32, "eos")]) == "TTFT 0.03 s · prefill 812 tok/s · decode 41.2 tok/s · 32 tokens · " \
+                                              "stopped: eos"
+
+
+def test_speed_line_of_a_batch_sums_the_tokens_and_counts_the_stop_reasons() -> None:
+    batch = [_stats(30, "eos", 120.0), _stats(64, "max_new_tokens", 120.0), _stats(12, "eos", 120.0)]
+    assert speed_line(batch) == "TTFT 0.03 s · prefill 812 tok/s · decode 120.0 tok/s · 3 answers, 106 tokens · " \
+                                "stopped: 2 eos, 1 max_new_tokens"
+    assert speed_line(batch[::2]).endswith("2 answers, 42 tokens · stopped: eos")
+
+
+def test_speed_line_leaves_out_the_decode_speed_when_nothing_was_decoded() -> None:
+    assert speed_line([_stats(1, "eos", 0.0)]) == "TTFT 0.03 s · prefill 812 tok/s · 1 token · stopped: eos"
+
+
+def test_speed_line_of_a_real_run_reads_the_engines_stats(demo_model) -> None:
+    (result,) = generate_answers(demo_model, [demo_model.build_prompt(user="Describe the image.")],
+                                 thinking_budget=0, on_text=lambda index, text: None, max_new_tokens=5,
+                                 temperature=0, seed=0)
+    line = speed_line([result.stats])
+    assert line.startswith("TTFT ") and line.endswith(f"{len(result.token_ids)} tokens · stopped: "
+                                                      f"{result.stop_reason}"), line
 
 
 # --- bridge and presets ------------------------------------------------------------------------------------------

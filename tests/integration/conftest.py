@@ -50,7 +50,7 @@ def comfy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
 
 def load_api_workflow(name: str, model: str = TINY_MODEL) -> dict:
     """An API-format workflow as shipped, with the loader pointed at `model`."""
-    graph = json.loads((WORKFLOWS / f"{name}.api.json").read_text())
+    graph = json.loads((WORKFLOWS / "api" / f"{name}.json").read_text())
     for node in graph.values():
         if node["class_type"] == "A3BModelLoader":
             node["inputs"]["model"] = model

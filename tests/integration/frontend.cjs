@@ -1,10 +1,12 @@
 // Drives ComfyUI's real frontend in headless Chromium (playwright-core, Debian's /usr/bin/chromium).
 //
-//   node frontend.cjs check URL OUT_DIR OVERRIDES convert|run WORKFLOW.json...
-//       load each UI workflow, set the widgets OVERRIDES names ({"NodeClass": {"widget": value}}), convert it with
-//       app.graphToPrompt() and, with 'run', queue it, wait for it, read what the nodes show and take a
+//   node frontend.cjs check URL OUT_DIR EDITS convert|run WORKFLOW.json...
+//       load each UI workflow, edit it as EDITS says ({"widgets": {"NodeClass": {"widget": value}}, "previews":
+//       [["NodeClass", output slot], ...]}: set widgets; wire a Preview as Text node to each output named), convert
+//       it with app.graphToPrompt() and, with 'run', queue it, wait for it, read what the nodes show and take a
 //       screenshot; prints a JSON report
-//   node frontend.cjs build URL WORKFLOWS_DIR SPECS.json          build UI + API workflows from node specs
+//   node frontend.cjs build URL WORKFLOWS_DIR SPECS.json          build UI workflows, and their API copies in
+//                                                                  WORKFLOWS_DIR/api, from node specs
 //
 // A3B_PLAYWRIGHT names the playwright-core module to load (it lives in a cache folder, not in the repository).
 const fs = require("fs");
@@ -48,22 +50,30 @@ async function waitForHistory(url, promptId) {
   throw new Error(`prompt ${promptId} did not finish in ${RUN_TIMEOUT_MS} ms`);
 }
 
-async function check(url, outDir, overrides, run, workflowPaths) {
+async function check(url, outDir, edits, run, workflowPaths) {
   const { browser, page, pageErrors } = await openComfy(url);
   const report = { workflows: [], pageErrors };
   for (const file of workflowPaths) {
     const name = path.basename(file, ".json");
     const workflow = JSON.parse(fs.readFileSync(file, "utf8"));
-    const apiPrompt = await page.evaluate(async ({ workflow, overrides }) => {
+    const apiPrompt = await page.evaluate(async ({ workflow, edits }) => {
       const app = window.app;
       await app.loadGraphData(workflow);
       for (const node of app.graph.nodes) {
-        for (const [name, value] of Object.entries(overrides[node.comfyClass] ?? {})) {
+        for (const [name, value] of Object.entries(edits.widgets?.[node.comfyClass] ?? {})) {
           node.widgets.find((w) => w.name === name).value = value;
         }
       }
+      for (const [type, slot] of edits.previews ?? []) {
+        for (const node of app.graph.nodes.filter((n) => n.comfyClass === type)) {
+          const preview = LiteGraph.createNode("PreviewAny");
+          preview.pos = [node.pos[0] + node.size[0] + 40, node.pos[1] + 200 * slot];
+          app.graph.add(preview);
+          node.connect(slot, preview, 0);
+        }
+      }
       return (await app.graphToPrompt()).output;
-    }, { workflow, overrides });
+    }, { workflow, edits });
     const entry = { name, apiPrompt };
     report.workflows.push(entry);
     if (run) {
@@ -94,11 +104,16 @@ async function runLoadedWorkflow(url, page, apiPrompt) {
     const app = window.app;
     const shown = (node, names) => node.widgets?.find((w) => names.includes(w.name))?.value ?? null;
     const ofType = (type) => app.graph.nodes.filter((n) => n.comfyClass === type);
+    const speed = (node) => node.widgets?.find((w) => w.name === "a3b_speed")?.element;
     return {
       generateNodes: ofType("A3BGenerate").map((node) => ({
         id: String(node.id),
         liveTexts: window.__a3bLive.filter((m) => String(m.nodeId) === String(node.id)).map((m) => m.text),
         shownText: shown(node, ["$$node-text-preview", "a3b_answer"]),
+        // the speed line as the page shows it: its element's text, and whether it is laid out on the page
+        speedShown: speed(node)?.textContent ?? null,
+        speedOnPage: Boolean(speed(node)?.isConnected && speed(node).getClientRects().length),
+        widgetOrder: node.widgets.map((w) => w.name),
       })),
       planShown: ofType("A3BModelLoader").map((node) => shown(node, ["a3b_plan"])),
     };
@@ -138,7 +153,7 @@ async function build(url, workflowsDir, specsFile) {
       return { ui: app.graph.serialize(), api: output };
     }, spec);
     fs.writeFileSync(path.join(workflowsDir, `${name}.json`), JSON.stringify(result.ui, null, 2) + "\n");
-    fs.writeFileSync(path.join(workflowsDir, `${name}.api.json`), JSON.stringify(result.api, null, 2) + "\n");
+    fs.writeFileSync(path.join(workflowsDir, "api", `${name}.json`), JSON.stringify(result.api, null, 2) + "\n");
   }
   await browser.close();
 }
@@ -146,8 +161,8 @@ async function build(url, workflowsDir, specsFile) {
 async function main() {
   const [command, url, ...rest] = process.argv.slice(2);
   if (command === "check") {
-    const [outDir, overrides, mode, ...workflows] = rest;
-    console.log(JSON.stringify(await check(url, outDir, JSON.parse(overrides), mode === "run", workflows)));
+    const [outDir, edits, mode, ...workflows] = rest;
+    console.log(JSON.stringify(await check(url, outDir, JSON.parse(edits), mode === "run", workflows)));
   } else if (command === "build") {
     await build(url, rest[0], rest[1]);
   } else {

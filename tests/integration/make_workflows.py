@@ -1,4 +1,4 @@
-"""Builds workflows/<name>.json (UI format) and <name>.api.json (API format) with ComfyUI's own frontend.
+"""Builds workflows/<name>.json (UI format) and workflows/api/<name>.json (API format) with ComfyUI's own frontend.
 
 The nodes and links below are placed in the real frontend (headless Chromium), which then serializes the graph and
 converts it with app.graphToPrompt(), so both files are exactly what ComfyUI 0.3.75 itself writes.

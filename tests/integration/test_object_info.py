@@ -15,7 +15,7 @@ EXPECTED = {
     "A3BPrompt": ("A3B Prompt", ["system", "user", "thinking", "images", "previous", "previous_answer"],
                   ["A3B_PROMPT"]),
     "A3BGenerate": ("A3B Generate", ["model", "prompt", "mode", "max_new_tokens", "temperature", "top_p", "top_k",
-                                     "min_p", "presence_penalty", "repetition_penalty", "seed"],
+                                     "min_p", "presence_penalty", "repetition_penalty", "seed", "thinking_budget"],
                     ["STRING", "STRING"]),
     "A3BSaveCaptions": ("A3B Save Captions", ["captions", "subfolder", "names", "filename_prefix", "trigger_word",
                                               "if_exists"], []),
@@ -66,6 +66,9 @@ def test_generate_defaults_are_qwens_non_thinking_settings(object_info: dict) ->
     assert defaults == {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "min_p": 0.0, "presence_penalty": 1.5,
                         "repetition_penalty": 1.0}
     assert inputs["seed"][1]["control_after_generate"] is True
+    # the last widget, and optional, so workflows saved without it keep their values and still validate
+    assert list(info["input"]["optional"]) == ["thinking_budget"]
+    assert (inputs["thinking_budget"][1]["default"], inputs["thinking_budget"][1]["min"]) == (0, 0)
     assert inputs["mode"][1]["options"] == ["single", "per image"]
     assert info["output_is_list"] == [True, True]
     assert info["input"]["hidden"] == {"unique_id": ["UNIQUE_ID"]}

@@ -39,6 +39,9 @@ def test_api_workflow_runs_to_non_empty_answers(comfy: ComfyServer, name: str) -
     images = sum(1 for node in graph.values() if node["class_type"] == "LoadImage")
     assert len(answers) == max(images, 1)
     assert all(answer.strip() for answer in answers)
+    (speed,) = entry["outputs"][generate]["a3b_speed"]
+    assert speed.startswith("TTFT ") and " tok/s · " in speed and " · stopped: " in speed, speed
+    assert (f"{len(answers)} answers, " in speed) == (len(answers) > 1), speed
     for save in _nodes(graph, "A3BSaveCaptions"):
         inputs = graph[save]["inputs"]
         folder = comfy.output_dir / inputs["subfolder"]
@@ -46,6 +49,15 @@ def test_api_workflow_runs_to_non_empty_answers(comfy: ComfyServer, name: str) -
         assert sorted(path.stem for path in folder.glob("*.txt")) == sorted(stems)
         prefix = f"{inputs['trigger_word']}, " if inputs["trigger_word"] else ""
         assert all((folder / f"{stem}.txt").read_text().startswith(prefix) for stem in stems)
+
+
+def test_an_api_graph_saved_without_the_thinking_budget_still_runs(comfy: ComfyServer) -> None:
+    graph = _set_inputs(load_api_workflow("comic_storyboard"), "A3BGenerate", seed=51, max_new_tokens=16)
+    (generate,) = _nodes(graph, "A3BGenerate")
+    del graph[generate]["inputs"]["thinking_budget"]
+    entry = comfy.run(graph)
+    _succeeded(comfy, entry)
+    assert entry["outputs"][generate]["a3b_answer"][0].strip()
 
 
 def test_pixel_art_workflow_as_shipped_runs_on_the_demo_model(comfy: ComfyServer) -> None:

@@ -1,7 +1,7 @@
-// A3B nodes: shows the Loader's placement plan, the Generate node's answer (live while it streams) and what
-// Save Captions wrote. The server sends the live text as ComfyUI "progress_text" messages, the plan as an
-// "a3b.plan" message each time a node uses the model (a cached Loader sends nothing itself), and the rest as the
-// nodes' ui outputs (a3b_answer, a3b_saved).
+// A3B nodes: shows the Loader's placement plan, the Generate node's answer (live while it streams) with the run's
+// speed line under it, and what Save Captions wrote. The server sends the live text as ComfyUI "progress_text"
+// messages, the plan as an "a3b.plan" message each time a node uses the model (a cached Loader sends nothing
+// itself), and the rest as the nodes' ui outputs (a3b_answer, a3b_speed, a3b_saved).
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 
@@ -46,6 +46,30 @@ function showAnswer(node, text) {
   }
 }
 
+// A short status text (the speed line), wrapped over up to three lines; created after the answer's widget, so it
+// sits under it.
+function showLine(node, name, text) {
+  let widget = node.widgets?.find((w) => w.name === name);
+  if (!widget) {
+    const element = document.createElement("div");
+    element.className = "a3b-line";
+    Object.assign(element.style, {
+      fontFamily: "monospace", fontSize: "11px", lineHeight: "14px", color: "var(--descrip-text, #999)",
+      overflow: "hidden", padding: "2px 4px", boxSizing: "border-box",
+    });
+    widget = node.addDOMWidget(name, "a3b_line", element, {
+      serialize: false, // display only: never part of the saved workflow or the prompt
+      getValue: () => element.textContent,
+      setValue: (value) => { element.textContent = value; },
+      getMinHeight: () => 32,
+      getMaxHeight: () => 46,
+    });
+    widget.a3bElement = element;
+  }
+  widget.a3bElement.textContent = text;
+  node.setDirtyCanvas?.(true, true);
+}
+
 function onLiveText(event) {
   const { nodeId, text } = event.detail ?? {};
   const node = app.graph?.getNodeById(nodeId);
@@ -78,6 +102,7 @@ app.registerExtension({
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
       if (message?.a3b_answer) showAnswer(this, message.a3b_answer.join("\n\n"));
+      if (message?.a3b_speed) showLine(this, "a3b_speed", message.a3b_speed.join(" "));
       if (message?.a3b_saved) showText(this, "a3b_saved", message.a3b_saved.join("\n"), 4);
     };
   },
