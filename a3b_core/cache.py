@@ -44,13 +44,13 @@ class Cache:
         self.mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
-        self.key_scales: dict[int, torch.Tensor] = {}  # int8 only: [B, max_len, kv_heads, 1] fp32
+        self.key_scales: dict[int, torch.Tensor] = {}  # int8 only: [B, kv_heads, max_len, 1] fp32
         self.value_scales: dict[int, torch.Tensor] = {}
         self.conv: dict[int, torch.Tensor] = {}
         self.state: dict[int, torch.Tensor] = {}
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
             cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        shape = (batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)  # heads first: each head's keys are contiguous
         for layer, kind in enumerate(cfg.layer_types):
             if kind == "full_attention":
                 self.keys[layer] = torch.zeros(shape, dtype=store, device=device)
@@ -85,21 +85,21 @@ class Cache:
         return self.mask[:, :self.length + t] if self.padded else None
 
     def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores the new keys/values [B, t, kv_heads, head_dim]; returns all cached ones, in the compute dtype."""
-        start, end = self.length, self.length + k.shape[1]
+        """Stores the new keys/values [B, kv_heads, t, head_dim]; returns all cached ones, in the compute dtype."""
+        start, end = self.length, self.length + k.shape[2]
         if not self.scratch:
-            self.keys[layer][:, start:end] = k
-            self.values[layer][:, start:end] = v
-            return self.keys[layer][:, :end], self.values[layer][:, :end]
+            self.keys[layer][:, :, start:end] = k
+            self.values[layer][:, :, start:end] = v
+            return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
         out = []
         for new, store, scales, scratch in ((k, self.keys, self.key_scales, self.scratch[0]),
                                             (v, self.values, self.value_scales, self.scratch[1])):
             if self.quantised:
-                quantise_int8(new, store[layer][:, start:end], scales[layer][:, start:end])
-                out.append(torch.mul(store[layer][:, :end], scales[layer][:, :end], out=scratch[:, :end]))
+                quantise_int8(new, store[layer][:, :, start:end], scales[layer][:, :, start:end])
+                out.append(torch.mul(store[layer][:, :, :end], scales[layer][:, :, :end], out=scratch[:, :, :end]))
             else:
-                store[layer][:, start:end] = new
-                out.append(scratch[:, :end].copy_(store[layer][:, :end]))
+                store[layer][:, :, start:end] = new
+                out.append(scratch[:, :, :end].copy_(store[layer][:, :, :end]))
         return out[0], out[1]
 
     def conv_state(self, layer: int) -> torch.Tensor:

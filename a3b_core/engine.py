@@ -16,7 +16,7 @@ from .cache import Cache
 from .checkpoint import Checkpoint
 from .config import ModelConfig, load_config
 from .errors import CheckpointError, ConfigError, ImageError, PromptError
-from .model import GDN_CHUNK, TextModel
+from .model import ATTENTION_SCORES_BYTES, GDN_CHUNK, TextModel
 from .packed import pack_cpu_linears
 from .placement import Plan, activation_bytes_per_token, make_plan
 from .positions import mrope_position_ids
@@ -229,10 +229,10 @@ class A3BModel:
         return logits[:, -1]
 
     def prefill_chunk(self, rows: int) -> int:
-        """Prompt tokens per forward pass for a batch of `rows`: as many as the plan's activation workspace holds,
-        in whole DeltaNet chunks."""
+        """Prompt tokens per forward pass for a batch of `rows`: as many as the plan's activation workspace holds
+        besides the attention scores, in whole DeltaNet chunks."""
         per_token = activation_bytes_per_token(self.config, FORMAT_OF_DTYPE[self.dtype])
-        tokens = self.plan.workspace_bytes // (rows * per_token)
+        tokens = (self.plan.workspace_bytes - ATTENTION_SCORES_BYTES) // (rows * per_token)
         return max(GDN_CHUNK, tokens // GDN_CHUNK * GDN_CHUNK)
 
     def logits(self, input_ids: torch.Tensor, images: EncodedImages | None = None,
@@ -297,9 +297,11 @@ def expert_cache_dir(ckpt: Checkpoint, fmt: str) -> Path:
 
 def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", compute_dtype: str = "auto",
                weight_format: str = "auto", kv_cache: str = "auto", max_context: int | None = None,
-               progress: Progress | None = None, device: str | torch.device = "auto") -> A3BModel:
+               progress: Progress | None = None, device: str | torch.device = "auto",
+               ram_budget: int | None = None) -> A3BModel:
     """Loads a Qwen3.5/3.6 model folder (or the embedded demo model) as the preset's placement plan says, on `device`
-    ("auto": the first CUDA GPU if there is one; "cpu"; "cuda" or "cuda:N").
+    ("auto": the first CUDA GPU if there is one; "cpu"; "cuda" or "cuda:N"). The plan may use `ram_budget` bytes of
+    RAM (default: what the system reports available).
 
     preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
     started = time.perf_counter()
@@ -310,7 +312,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     ckpt = Checkpoint(folder, fp8_block=config.fp8_block)
     plan = make_plan(config, {n: (i.shape, i.dtype) for n, i in ckpt.infos.items()}, preset,
                      weight_format=weight_format, kv_cache=kv_cache, max_context=max_context,
-                     has_cuda=device.type == "cuda", gpu_free=devices.free_bytes(device),
+                     has_cuda=device.type == "cuda", gpu_free=devices.free_bytes(device), cpu_free=ram_budget,
                      compute_format=FORMAT_OF_DTYPE[dtype])
 
     def where(plan_device: str) -> torch.device:
@@ -337,7 +339,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
                 vision = VisionTower(config.vision)
             vision_prefix = find_prefix(ckpt, "pos_embed.weight", VISION_PREFIXES, "vision")
             load_module(vision, ckpt, vision_prefix, dtype)
-            vision.eval().to(where(plan.vision_device))
+            devices.move(vision.eval(), where(plan.vision_device))
             pack_cpu_linears(vision, release_under(vision_prefix))
     except (RuntimeError, ValueError) as exc:  # torch refusing a tensor that passed the header checks
         raise CheckpointError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong "
@@ -355,15 +357,12 @@ def place_text_model(text: TextModel, dense: torch.device, embed: torch.device,
     """Moves the dense parts to `dense`, the embedding table to `embed` and the routed experts of the layers in
     `expert_devices` to theirs (other layers' experts stay where loading put them). A tied lm_head stays the
     embedding table itself, so it is never held twice."""
+    moved: dict[int, torch.Tensor] = {}
+    devices.move(text.embed_tokens, embed, moved)
     for index, layer in enumerate(text.layers):
         experts = layer.mlp._modules.pop("experts", None)
-        layer.to(dense)
+        devices.move(layer, dense, moved)
         if experts is not None:
-            layer.mlp.experts = experts.to(expert_devices[index]) if index in expert_devices else experts
-    text.norm.to(dense)
-    tied = text.lm_head.weight is text.embed_tokens.weight
-    text.embed_tokens.to(embed)
-    if tied:
-        text.lm_head.weight = text.embed_tokens.weight
-    else:
-        text.lm_head.to(dense)
+            layer.mlp.experts = devices.move(experts, expert_devices[index]) if index in expert_devices else experts
+    devices.move(text.norm, dense, moved)
+    devices.move(text.lm_head, dense, moved)

@@ -20,6 +20,10 @@ GDN_CHUNK = 64
 # fp16 (GPUs without bf16) tops out at 65504: the residual stream is clamped below it after every layer, so one
 # outlier cannot become inf and then NaN in the next norm
 FP16_LIMIT = 65000.0
+# Scores a masked attention call may hold at once, and the bytes a kernel that materialises them needs per score
+# (measured: 13.8 for bf16 in torch's math kernel, scores and softmax together)
+ATTENTION_SCORES_BYTES = 128 << 20
+SCORE_BYTES = 16
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -104,31 +108,48 @@ class GatedAttention(nn.Module):
         k, v = k.view(b, t, nkv, hd), v.view(b, t, nkv, hd)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k), cos, sin)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # heads first
         start = 0
         if cache is not None:
             start = cache.length
-            k, v = cache.append_kv(self.layer, k, v)  # all cached keys/values [B, start + t, nkv, hd]
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
-        o = F.scaled_dot_product_attention(q, k, v, enable_gqa=nh != nkv,
-                                           **attention_mask(t, k.shape[2], start, key_mask, x.device))
+            k, v = cache.append_kv(self.layer, k, v)  # all cached keys/values [B, nkv, start + t, hd]
+        o = attend(q, k, v, start, key_mask)
         o = o.transpose(1, 2).reshape(b, t, nh * hd)
         return self.o_proj(o * torch.sigmoid(gate.reshape(b, t, nh * hd)))
 
 
-def attention_mask(t: int, s: int, start: int, key_mask: torch.Tensor | None, device: torch.device) -> dict:
-    """SDPA's mask arguments for t queries at positions start.. over s keys: causal over absolute positions, with
-    padding (key_mask [B, S]) masked out. Without padding a whole prompt is plain causal and one new token sees every
-    key, so no mask tensor is made and GPUs can use their fused (flash) kernels."""
-    if key_mask is None and t == s:
-        return {"is_causal": True}
-    if key_mask is None and t == 1:
-        return {}
-    query_pos = (start + torch.arange(t, device=device))[:, None]
-    key_pos = torch.arange(s, device=device)[None, :]
-    mask = key_pos <= query_pos
-    if key_mask is not None:  # a padding query still sees itself, so no row is empty (which would give NaN)
-        mask = (mask & key_mask[:, None, None, :s]) | (key_pos == query_pos)
-    return {"attn_mask": mask}
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, key_mask: torch.Tensor | None) -> torch.Tensor:
+    """Attention of t queries [B, H, t, D] at positions start.. over s = start + t keys [B, Hkv, s, D]: causal over
+    absolute positions, with padding (key_mask [B, S]) masked out.
+
+    A whole unpadded prompt is plain causal: no mask is made, so GPUs use their fused kernels. Every other case folds
+    each KV head's query heads into its query rows, so no kernel copies the keys and values once per query head (a
+    kernel without native grouped-query support does, gigabytes late in a long context), and goes in query blocks
+    whose scores fit ATTENTION_SCORES_BYTES, since a masked attention may be computed by a kernel that holds every
+    score."""
+    b, h, t, d = q.shape
+    kv_heads, s = k.shape[1], k.shape[2]
+    block = max(1, ATTENTION_SCORES_BYTES // (b * h * s * SCORE_BYTES))
+    if key_mask is None and t == s and t <= block:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=h != kv_heads)
+    group = h // kv_heads  # query head i reads KV head i // group
+    outputs = []
+    for first in range(0, t, block):
+        last = min(t, first + block)
+        keys = start + last  # these queries see no key after their last position
+        mask = None
+        if key_mask is not None or last - first > 1:
+            query_pos = (start + torch.arange(first, last, device=q.device))[:, None]
+            key_pos = torch.arange(keys, device=q.device)[None, :]
+            mask = key_pos <= query_pos
+            if key_mask is not None:  # a padding query still sees itself, so no row is empty (which would give NaN)
+                mask = (mask & key_mask[:, None, None, :keys]) | (key_pos == query_pos)
+            mask = mask.repeat(*[1] * (mask.dim() - 2), group, 1)  # the same rows for each folded head
+        n = last - first
+        folded = q[:, :, first:last].reshape(b, kv_heads, group * n, d)
+        out = F.scaled_dot_product_attention(folded, k[:, :, :keys], v[:, :, :keys], attn_mask=mask)
+        outputs.append(out.view(b, h, n, d))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
 # ------------------------------------------------------------------------------------------- gated deltanet

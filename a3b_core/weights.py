@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import devices
 from .checkpoint import FP8_DTYPES, Checkpoint
 from .config import TextConfig
 from .errors import CheckpointError, PlacementError
@@ -196,7 +197,7 @@ def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: TextConfig, fmt: st
             cached = {}
         if cached.keys() == state.keys() and all(cached[k].shape == state[k].shape for k in state):
             experts.load_state_dict(cached)
-            return experts.to(device)
+            return devices.move(experts, device)
     for which, stack in (("gate_up_proj", experts.gate_up_proj), ("down_proj", experts.down_proj)):
         for j in range(cfg.num_experts):
             if fmt == "fp8" and cfg.moe_intermediate_size % FP8_BLOCK == 0 and base + f"{j}.down_proj.weight_scale_inv" in ckpt:
@@ -211,7 +212,7 @@ def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: TextConfig, fmt: st
             write_atomically(cache_file, lambda tmp: save_file(experts.state_dict(), tmp))
         except OSError:  # a read-only or full cache disk only costs the next load a conversion
             pass
-    return experts.to(device)
+    return devices.move(experts, device)
 
 
 def _stored_fp8(ckpt: Checkpoint, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,20 +3,25 @@
 Inside `FakeCuda()`, a tensor made on or moved to "cuda" is a FakeTensor (shape, dtype and device, no data), and
 every operation that touches one runs under torch's FakeTensorMode: it checks devices exactly as CUDA does, so mixing
 a CPU tensor with a CUDA one raises as it would on a real GPU. Everything else runs for real on the CPU (weights are
-read and converted, CPU experts compute real numbers). With `all_fake=True` every operation is fake, CPU ones too:
-shapes only, for models too big to hold (the real 35B's shapes).
+read and converted, CPU experts compute real numbers). With `fake_weights=True`, tensors read from files
+(torch.frombuffer, which safetensors checkpoints are mapped through) are fake too, CPU ones included: shapes only,
+for models too big to hold (the real 35B's shapes); prompts and other bookkeeping stay real.
 
 Reading a CUDA tensor's values on the host (`.tolist()`, `.item()`, `bool()`, a copy to the CPU) has no data to give:
 the stand-in answers zeros of the right shape and counts the read in `host_reads`, so a test can bound the
 device->host synchronisations per token. `memory` tracks the bytes of live CUDA storages and their peak (the
-allocations torch's CUDA allocator would hold, without its caching slack).
+allocations torch's CUDA allocator would hold, without its caching slack). Attention on the stand-in GPU allocates
+what a fused kernel does, its output: CUDA GPUs run the engine's attention calls in fused kernels (flash for a whole
+prompt, memory-efficient for masked calls, which takes any head size that is a multiple of 8); bench/gpu_check.py
+measures the real thing.
 """
 from __future__ import annotations
 
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
@@ -62,28 +67,30 @@ class CudaMemory(TorchDispatchMode):
 
 
 class FakeCuda(TorchFunctionMode):
-    def __init__(self, all_fake: bool = False):
+    def __init__(self, fake_weights: bool = False):
         super().__init__()
-        self.all_fake = all_fake
+        self.fake_weights = fake_weights
         self.fake = FakeTensorMode(allow_non_fake_inputs=True)
         self.memory = CudaMemory()
         self.host_reads = 0
 
     def __enter__(self):
-        if self.all_fake:
-            self.fake.__enter__()
-            self.memory.__enter__()
+        if self.fake_weights:  # torch.frombuffer is not dispatched as a torch function: replaced while inside
+            self._frombuffer = torch.frombuffer
+            torch.frombuffer = self._fake_frombuffer
         return super().__enter__()
 
     def __exit__(self, *exc):
         super().__exit__(*exc)
-        if self.all_fake:
-            self.memory.__exit__(*exc)
-            self.fake.__exit__(*exc)
+        if self.fake_weights:
+            torch.frombuffer = self._frombuffer
+
+    def _fake_frombuffer(self, buffer, *, dtype: torch.dtype, count: int = -1, offset: int = 0) -> torch.Tensor:
+        count = (len(buffer) - offset) // dtype.itemsize if count < 0 else count
+        with self.fake:
+            return torch.empty(count, dtype=dtype)
 
     def _fake_call(self, func, args, kwargs):
-        if self.all_fake:
-            return func(*args, **kwargs)
         with self.fake, self.memory:
             return func(*args, **kwargs)
 
@@ -91,21 +98,28 @@ class FakeCuda(TorchFunctionMode):
         with self.fake:
             return tensor if isinstance(tensor, FakeTensor) else self.fake.from_tensor(tensor)
 
+    def _fused_attention(self, q, k, v, attn_mask=None, **options) -> torch.Tensor:
+        """What a fused attention kernel (flash, memory-efficient) allocates: its output, no scores. torch's fake
+        tensors would run the unfused math kernel, which a GPU uses only where no fused one applies."""
+        for name, tensor in (("key", k), ("value", v), ("attn_mask", attn_mask)):
+            if isinstance(tensor, torch.Tensor) and tensor.device != q.device:
+                raise RuntimeError(f"scaled_dot_product_attention: {name} is on {tensor.device}, query on {q.device}")
+        return self._fake_call(torch.empty, ((*q.shape[:-1], v.shape[-1]),), {"dtype": q.dtype, "device": q.device})
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         fakes = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, FakeTensor)]
+        if func is F.scaled_dot_product_attention and fakes and args[0].device.type == "cuda":
+            return self._fused_attention(*args, **kwargs)
         if func in HOST_READS and fakes:
             if args[0].device.type == "cuda":
                 self.host_reads += 1
-            with torch._C.DisableTorchFunction():
-                stand_in = torch.zeros(args[0].shape, dtype=args[0].dtype)
-            return func(stand_in, *args[1:], **kwargs)
+            with torch._C.DisableTorchFunction(), unset_fake_temporarily():
+                return func(torch.zeros(args[0].shape, dtype=args[0].dtype), *args[1:], **kwargs)
         if func in (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda) and isinstance(args[0], torch.Tensor):
             source, target, dtype = args[0], _target(func, args, kwargs), _dtype(args, kwargs)
             if isinstance(source, FakeTensor) and source.device.type == "cuda" and target == "cpu":
                 self.host_reads += 1
-                if self.all_fake:
-                    return self._fake_call(torch.zeros, (source.shape,), {"dtype": dtype or source.dtype})
                 with torch._C.DisableTorchFunction():
                     return torch.zeros(source.shape, dtype=dtype or source.dtype)
             if target == "cuda":

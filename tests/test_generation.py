@@ -106,7 +106,7 @@ def test_presence_penalty_applies_to_greedy_when_asked(model, fixtures):
 def test_int8_cache_stores_each_value_within_half_a_step(model):
     cfg = model.config.text
     cache = Cache(cfg, 2, 8, torch.float32, "cpu", kv_dtype="int8")
-    k, v = (torch.randn(2, 5, cfg.num_kv_heads, cfg.head_dim, generator=torch.Generator().manual_seed(s)) * 3
+    k, v = (torch.randn(2, cfg.num_kv_heads, 5, cfg.head_dim, generator=torch.Generator().manual_seed(s)) * 3
             for s in (0, 1))
     k[0, 0, 0] = 0.0  # an all-zero vector must stay exact
     layer = next(iter(cache.keys))
@@ -181,7 +181,7 @@ def test_should_stop_ends_within_one_token_and_the_next_call_works(model, fixtur
 def test_streamed_text_ends_as_the_final_text(model, thinking):
     prompt = model.build_prompt("Describe the image in one sentence.", thinking=thinking)
     streamed = []
-    result = generate(model, prompt, max_new_tokens=24, seed=1, thinking_budget=8, on_text=streamed.append)
+    result = generate(model, prompt, max_new_tokens=24, seed=2, thinking_budget=8, on_text=streamed.append)
     assert len(streamed) > 5
     assert streamed[-1] == result.full_text
     if thinking:
@@ -255,7 +255,7 @@ def test_thinking_budget_forces_the_close_and_lets_the_model_answer(model):
     tokenizer = tiny_tokenizer(model)
     prompt = model.build_prompt("Describe the image in one sentence.", thinking=True)
     close = tokenizer.encode(BUDGET_CLOSE)
-    result = generate(model, prompt, max_new_tokens=20, seed=2, thinking_budget=5)
+    result = generate(model, prompt, max_new_tokens=20, seed=3, thinking_budget=5)
     assert result.token_ids[5:5 + len(close)] == close
     assert result.reasoning == tokenizer.decode(result.token_ids[:5], skip_special_tokens=True).strip()
     answer_ids = result.token_ids[5 + len(close):]
