@@ -6,6 +6,7 @@ loading never holds a second copy of the weights.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .checkpoint import FP8_DTYPES, Checkpoint
-from .config import TextConfig
+from .config import StoredLayers, TextConfig
 from .errors import CheckpointError
 from .experts import FLOAT_FORMATS, FP8_BLOCK, Fp8Linear, QuantizedExperts
 
@@ -25,12 +26,31 @@ VISION_PREFIXES = ("model.visual.", "visual.")
 Progress = Callable[[int, int], None]
 
 
+def _prefix_of(ckpt: Checkpoint, probe: str, prefixes: tuple[str, ...]) -> str | None:
+    return next((prefix for prefix in prefixes if prefix + probe in ckpt), None)
+
+
 def find_prefix(ckpt: Checkpoint, probe: str, prefixes: tuple[str, ...], what: str) -> str:
-    for prefix in prefixes:
-        if prefix + probe in ckpt:
-            return prefix
+    prefix = _prefix_of(ckpt, probe, prefixes)
+    if prefix is not None:
+        return prefix
     raise CheckpointError(f"{ckpt.folder}: no '{probe}' tensor under any known prefix ({', '.join(map(repr, prefixes))}),"
                           f" so the {what} weights cannot be found. Is this a Qwen3.5/3.6 checkpoint?")
+
+
+def stored_layers(ckpt: Checkpoint) -> StoredLayers:
+    """How many decoder layers and vision blocks the checkpoint holds, from its tensor names alone."""
+    return StoredLayers(text=_block_count(ckpt, "embed_tokens.weight", TEXT_PREFIXES, "layers"),
+                        vision=_block_count(ckpt, "pos_embed.weight", VISION_PREFIXES, "blocks"))
+
+
+def _block_count(ckpt: Checkpoint, probe: str, prefixes: tuple[str, ...], blocks: str) -> int | None:
+    """Highest `<prefix><blocks>.N.` index + 1 under the prefix that holds `probe`; None when no prefix does."""
+    prefix = _prefix_of(ckpt, probe, prefixes)
+    if prefix is None:
+        return None
+    numbered = re.compile(re.escape(prefix + blocks) + r"\.(\d+)\.")
+    return max((int(match[1]) + 1 for match in map(numbered.match, ckpt.infos) if match), default=0)
 
 
 def param_dtype(name: str, tensor_shape: tuple[int, ...], compute_dtype: torch.dtype) -> torch.dtype:

@@ -535,7 +535,8 @@ CONFIG_CASES = [
         f, num_hidden_layers=10**9, layer_types=None)), ConfigError,
         ("config.json", "'num_hidden_layers' is 1000000000", "4 decoder layers")),
     Bad("layers-more-than-the-weights-hold", load_after("moe_hf", lambda f: edit_text_config(
-        f, num_hidden_layers=8, layer_types=None)), ConfigError, ("config.json", "'num_hidden_layers' is 8", "4 decoder")),
+        f, num_hidden_layers=8, layer_types=None)), ConfigError,
+        ("config.json", "'num_hidden_layers' is 8", "4 decoder layers")),
     Bad("vision-depth-ten-million", load_after("moe_hf", lambda f: edit_json(
         f / "config.json", lambda c: c["vision_config"].update(depth=10**7))), ConfigError,
         ("config.json", "'depth' is 10000000", "2 vision blocks")),

@@ -78,7 +78,7 @@ def test_eos_list():
     (nested(num_hidden_layers=10**9), f"'num_hidden_layers' is 1000000000; .* {MAX_LAYERS}"),
     (nested(hidden_size=10**400), "'hidden_size' is a 401-digit number"),
     (nested(eos_token_id=512), "eos_token_id .*512.* vocab_size"),
-    (nested(image_token_id=2**63), "'image_token_id' is 9223372036854775808"),
+    ({**nested(), "image_token_id": 2**63}, "'image_token_id' is 9223372036854775808"),
     ({"model_type": "qwen3_5_moe", "text_config": [1]}, "'text_config' must be an object"),
 ])
 def test_bad_configs(raw, message):
