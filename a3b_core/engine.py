@@ -129,8 +129,8 @@ class A3BModel:
         items = image_pipeline.split_batch(images)
         embeds, grids = [], []
         for pixels, grid in image_pipeline.preprocess_images(
-                items, size, resize, srgb, background, vcfg.patch_size, vcfg.temporal_patch_size,
-                vcfg.spatial_merge_size):
+                items, size=size, mode=resize, srgb=srgb, background=background, patch_size=vcfg.patch_size,
+                temporal_patch_size=vcfg.temporal_patch_size, merge_size=vcfg.spatial_merge_size):
             embeds.append(self.vision(pixels.to(vision_device, self.dtype), [grid]).to(self.device))
             grids.append(grid)
             if progress is not None:
