@@ -537,6 +537,9 @@ CONFIG_CASES = [
     Bad("layers-more-than-the-weights-hold", load_after("moe_hf", lambda f: edit_text_config(
         f, num_hidden_layers=8, layer_types=None)), ConfigError,
         ("config.json", "'num_hidden_layers' is 8", "4 decoder layers")),
+    Bad("vision-heads-do-not-divide-width", load_after("moe_hf", lambda f: edit_json(
+        f / "config.json", lambda c: c["vision_config"].update(num_heads=3))), ConfigError,
+        ("config.json", "num_heads", "64")),
     Bad("vision-depth-ten-million", load_after("moe_hf", lambda f: edit_json(
         f / "config.json", lambda c: c["vision_config"].update(depth=10**7))), ConfigError,
         ("config.json", "'depth' is 10000000", "2 vision blocks")),
