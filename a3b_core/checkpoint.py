@@ -57,7 +57,7 @@ def read_header(path: Path) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path}: cannot be read ({exc}). Check the file exists and is readable.") from exc
     try:
         header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    except (ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 or JSON, or an over-long integer
         raise CheckpointError(f"{path}: header is not valid JSON ({exc}); the file is corrupt. Download it again.") from exc
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: header is not a JSON object; the file is corrupt. Download it again.")
@@ -111,8 +111,7 @@ def find_weight_files(folder: Path) -> list[Path]:
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError, KeyError, TypeError,
-                AttributeError) as exc:
+        except (OSError, ValueError, RecursionError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(f"{index}: cannot be read as a safetensors index ({exc!r}). "
                                   "Download it again.") from exc
         files = []

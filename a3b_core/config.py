@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,11 @@ SUPPORTED_MODEL_TYPES = {
     "qwen3_5_moe": True, "qwen3_5_moe_text": True,  # value: is MoE
     "qwen3_5": False, "qwen3_5_text": False,
 }
+# Far above any release (40 to 64 decoder layers, 27 vision blocks): a per-layer list or module is only ever built
+# for a count below this, so a wrong count cannot cost minutes and gigabytes before the weights refute it.
+MAX_LAYERS = 1000
+# Every size and token id of a real model is far below this; it keeps float and int64 arithmetic on them exact.
+MAX_INT = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -64,6 +70,14 @@ class VisionConfig:
 
 
 @dataclass(frozen=True)
+class StoredLayers:
+    """How many decoder layers and vision blocks the weight files hold (highest index + 1; None: no such weights),
+    so that config.json's counts are checked against them before anything is built from the counts."""
+    text: int | None
+    vision: int | None
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str
     text: TextConfig
@@ -93,27 +107,63 @@ def _type_names(types: tuple) -> str:
     return " or ".join(t.__name__ for t in types)
 
 
+def _shown(value: Any) -> str:
+    """repr(value) for a message, with integers too long to read given by their number of digits."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**30:
+        digits = int(math.log10(abs(value))) + 1
+        if abs(value) >= 10**digits:  # log10 rounds near powers of 10
+            digits += 1
+        elif abs(value) < 10**(digits - 1):
+            digits -= 1
+        return f"a {digits}-digit number"
+    return repr(value)
+
+
 def _positive(src: dict, key: str, where: str, default: Any = ...) -> int:
     value = _field(src, key, where, default=default)
-    if value <= 0:
-        raise ConfigError(f"{where}: the field '{key}' is {value}; expected a positive integer.")
+    if not 0 < value <= MAX_INT:
+        expected = "a positive integer" if value <= 0 else f"at most {MAX_INT}"
+        raise ConfigError(f"{where}: the field '{key}' is {_shown(value)}; expected {expected}. Use the config.json "
+                          "that came with the model.")
     return value
 
 
-def _positive_number(src: dict, key: str, where: str, default: float) -> float:
-    value = _field(src, key, where, default=default, types=(int, float))
-    if not 0 < value < float("inf"):
-        raise ConfigError(f"{where}: the field '{key}' is {value!r}; expected a positive finite number. Use the "
+def _positive_real(value: Any, key: str, where: str, maximum: float = math.inf) -> float:
+    """A positive finite number (JSON's NaN, Infinity and 1e999 are refused, and so are integers too big for a
+    float), at most `maximum`."""
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        try:
+            number = float(value)
+        except OverflowError:
+            pass
+    if number is None or not math.isfinite(number) or not 0 < number <= maximum:
+        bound = "" if maximum == math.inf else f" up to {maximum:g}"
+        raise ConfigError(f"{where}: '{key}' is {_shown(value)}; expected a positive finite number{bound}. Use the "
                           "config.json that came with the model.")
-    return float(value)
+    return number
 
 
-def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = None) -> TextConfig:
+def _layer_count(src: dict, key: str, where: str, stored: int | None, what: str) -> int:
+    """A count of layers or blocks, checked against what the weights hold (when known), then against MAX_LAYERS."""
+    value = _field(src, key, where)
+    if stored is not None and value != stored:
+        raise ConfigError(f"{where}: '{key}' is {_shown(value)} but the weights hold {stored} {what}. This config.json "
+                          "does not belong to these weights: use the config.json of the same release.")
+    if not 0 < value <= MAX_LAYERS:
+        raise ConfigError(f"{where}: '{key}' is {_shown(value)}; expected 1 to {MAX_LAYERS} {what} (no supported "
+                          "model has more). Use the config.json that came with the model.")
+    return value
+
+
+def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = None,
+                      stored_layers: int | None = None) -> TextConfig:
     top = top or {}
     rope = text.get("rope_parameters") or text.get("rope_scaling") or top.get("rope_parameters") or {}
     if not isinstance(rope, dict):
         raise ConfigError(f"{where}: 'rope_parameters' must be an object, got {rope!r}.")
-    num_layers = _positive(text, "num_hidden_layers", where)
+    num_layers = _layer_count(text, "num_hidden_layers", where, stored_layers, "decoder layers")
+    vocab = _positive(text, "vocab_size", where)
     hidden = _positive(text, "hidden_size", where)
     num_heads = _positive(text, "num_attention_heads", where)
     head_dim = _positive(text, "head_dim", where, default=hidden // num_heads)
@@ -129,11 +179,9 @@ def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = N
 
     partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", top.get("partial_rotary_factor", 0.25)))
     theta = rope.get("rope_theta", text.get("rope_theta", top.get("rope_theta", 10_000_000.0)))
-    for key, value in (("partial_rotary_factor", partial), ("rope_theta", theta)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-            raise ConfigError(f"{where}: '{key}' is {value!r}; expected a positive number. Use the config.json that "
-                              "came with the model.")
-    rotary_dim = int(head_dim * float(partial))
+    partial = _positive_real(partial, "partial_rotary_factor", where, maximum=1.0)
+    theta = _positive_real(theta, "rope_theta", where)
+    rotary_dim = int(head_dim * partial)
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ConfigError(f"{where}: partial_rotary_factor {partial} gives a rotary dimension of {rotary_dim} for "
                           f"head_dim {head_dim}; expected an even number between 2 and head_dim.")
@@ -153,9 +201,10 @@ def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = N
 
     eos = text.get("eos_token_id", top.get("eos_token_id"))
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in eos_ids):
-        raise ConfigError(f"{where}: eos_token_id is {eos!r}; expected a token id or a list of token ids. Use the "
-                          "config.json that came with the model.")
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in eos_ids):
+        shown = f"[{', '.join(map(_shown, eos))}]" if isinstance(eos, list) else _shown(eos)
+        raise ConfigError(f"{where}: eos_token_id is {shown}; expected a token id or a list of token ids below "
+                          f"vocab_size {vocab}. Use the config.json that came with the model.")
     experts = _positive(text, "num_experts", where) if is_moe else 0
     per_token = _positive(text, "num_experts_per_tok", where) if is_moe else 0
     if per_token > experts:
@@ -169,7 +218,7 @@ def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = N
             raise ConfigError(f"{where}: {what} is {many} / {few}; the first must be a multiple of the second "
                               "(grouped heads). Use the config.json that came with the model.")
     return TextConfig(
-        vocab_size=_positive(text, "vocab_size", where),
+        vocab_size=vocab,
         hidden_size=hidden,
         num_layers=num_layers,
         layer_types=tuple(layer_types),
@@ -177,7 +226,7 @@ def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = N
         num_kv_heads=num_kv,
         head_dim=head_dim,
         rotary_dim=rotary_dim,
-        rope_theta=float(theta),
+        rope_theta=theta,
         mrope_section=section,
         mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
         linear_num_key_heads=key_heads,
@@ -190,19 +239,20 @@ def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = N
         moe_intermediate_size=_positive(text, "moe_intermediate_size", where) if is_moe else 0,
         shared_expert_intermediate_size=_positive(text, "shared_expert_intermediate_size", where) if is_moe else 0,
         intermediate_size=0 if is_moe else _positive(text, "intermediate_size", where),
-        rms_norm_eps=_positive_number(text, "rms_norm_eps", where, 1e-6),
+        rms_norm_eps=_positive_real(_field(text, "rms_norm_eps", where, default=1e-6, types=(int, float)),
+                                    "rms_norm_eps", where),
         tie_word_embeddings=bool(text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
         max_position_embeddings=_positive(text, "max_position_embeddings", where, default=262144),
         eos_token_ids=eos_ids,
     )
 
 
-def parse_vision_config(vision: dict, where: str) -> VisionConfig:
+def parse_vision_config(vision: dict, where: str, stored_blocks: int | None = None) -> VisionConfig:
     if vision.get("deepstack_visual_indexes"):
         raise ConfigError(f"{where}: vision_config.deepstack_visual_indexes is set; deepstack vision towers "
                           "(Qwen3-VL) are not supported, only Qwen3.5/3.6 models.")
     return VisionConfig(
-        depth=_positive(vision, "depth", where),
+        depth=_layer_count(vision, "depth", where, stored_blocks, "vision blocks"),
         hidden_size=_positive(vision, "hidden_size", where),
         num_heads=_positive(vision, "num_heads", where),
         intermediate_size=_positive(vision, "intermediate_size", where),
@@ -216,7 +266,8 @@ def parse_vision_config(vision: dict, where: str) -> VisionConfig:
     )
 
 
-def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
+def parse_config(raw: dict, where: str = "config.json", stored: StoredLayers | None = None) -> ModelConfig:
+    """config.json's object -> ModelConfig; with `stored`, the layer counts must match what the weights hold."""
     if not isinstance(raw, dict):
         raise ConfigError(f"{where}: expected a JSON object at the top level. Use the config.json that came with "
                           "the model.")
@@ -233,8 +284,9 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
 
     def token(key: str, default: int) -> int:
         value = raw.get(key, text.get(key, default))
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-            raise ConfigError(f"{where}: the field '{key}' is {value!r}; expected an integer token id.")
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
+            raise ConfigError(f"{where}: the field '{key}' is {_shown(value)}; expected an integer token id. Use the "
+                              "config.json that came with the model.")
         return value
 
     quant = raw.get("quantization_config")
@@ -246,8 +298,8 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
                           "integers such as [128, 128]. Use the config.json of the FP8 release.")
     return ModelConfig(
         model_type=model_type,
-        text=parse_text_config(text, where, SUPPORTED_MODEL_TYPES[model_type], raw),
-        vision=parse_vision_config(vision, where) if vision else None,
+        text=parse_text_config(text, where, SUPPORTED_MODEL_TYPES[model_type], raw, stored.text if stored else None),
+        vision=parse_vision_config(vision, where, stored.vision if stored else None) if vision else None,
         image_token_id=token("image_token_id", 248056),
         video_token_id=token("video_token_id", 248057),
         vision_start_token_id=token("vision_start_token_id", 248053),
@@ -266,14 +318,18 @@ def inside_folder(folder: Path, path: Path, error: type[A3BError] = ConfigError)
     return resolved
 
 
-def load_config(folder: str | Path) -> ModelConfig:
+def read_config(folder: str | Path) -> dict:
+    """config.json's JSON value, unchecked (parse_config checks it)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: config.json is missing. Point the loader at the model folder itself (the one "
                           "holding config.json and the .safetensors files).")
     inside_folder(Path(folder), path, ConfigError)
     try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 or JSON, or an over-long integer
         raise ConfigError(f"{path}: cannot be parsed as JSON ({exc}). Re-download config.json.") from exc
-    return parse_config(raw, str(path))
+
+
+def load_config(folder: str | Path, stored: StoredLayers | None = None) -> ModelConfig:
+    return parse_config(read_config(folder), str(Path(folder) / "config.json"), stored)

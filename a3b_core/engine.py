@@ -14,18 +14,18 @@ from . import devices
 from . import image as image_pipeline
 from .cache import Cache
 from .checkpoint import Checkpoint
-from .config import ModelConfig, load_config
-from .errors import CheckpointError, ConfigError, ImageError, PromptError
+from .config import ModelConfig, parse_config, read_config
+from .errors import CheckpointError, ConfigError, ImageError, ModelReleasedError, PromptError
 from .model import ATTENTION_SCORES_BYTES, GDN_CHUNK, TextModel
 from .packed import pack_cpu_linears
 from .placement import Plan, activation_bytes_per_token, make_plan
 from .positions import mrope_position_ids
 from .products import fuse_input_projections
 from .prompt import Prompt, Turn, build_prompt
-from .tokenizer import Tokenizer
+from .tokenizer import Tokenizer, check_against_config
 from .vision import VisionTower
 from .weights import (CONVERTED_EXPERT_FORMATS, FORMAT_OF_DTYPE, VISION_PREFIXES, Progress, find_prefix, load_module,
-                      load_text_model)
+                      load_text_model, stored_layers)
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERT_CACHE_VERSION = 1
@@ -109,24 +109,36 @@ class A3BModel:
         """The plan's KV cache format (the names are the cache's own)."""
         return self.plan.kv_dtype
 
+    def require_loaded(self) -> None:
+        if self.text is None:
+            raise ModelReleasedError(f"{self.folder}: this model was released (model.release()), so its weights are "
+                                     "gone. Load it again with load_model to use it.")
+
     # ------------------------------------------------------------------------------------------- images
     @torch.inference_mode()
     def encode_images(self, images, size: int = 384, resize: str = "stretch", srgb: bool = True,
-                      background: tuple[int, int, int] = (255, 255, 255)) -> EncodedImages:
+                      background: tuple[int, int, int] = (255, 255, 255),
+                      progress: Progress | None = None) -> EncodedImages:
         """Any images (paths, PIL, arrays, a ComfyUI IMAGE batch) -> vision embeddings, one entry per image. The
-        embeddings are kept in RAM (a few hundred KiB per image), not on the GPU, and join the prompt when used."""
+        embeddings are kept in RAM (a few hundred KiB per image), not on the GPU, and join the prompt when used.
+
+        `srgb=False` ignores embedded ICC profiles (the pixels are taken as sRGB already); `background` is the colour
+        transparent pixels are composited over. `progress(done, total)` is called after each image."""
+        self.require_loaded()
         if self.vision is None:
             raise ImageError(f"{self.folder}: this model has no vision tower (config.json has no vision_config or "
                              "the model.visual.* weights are missing); use a vision-language model for images.")
+        vcfg = self.config.vision
+        vision_device = self.vision.pos_embed.weight.device
+        items = image_pipeline.split_batch(images)
         embeds, grids = [], []
-        for img in image_pipeline.images_from_input(images):
-            rgb = image_pipeline.load_image(img, background=background, srgb=srgb)
-            vcfg = self.config.vision
-            pixels, grid = image_pipeline.to_patches(image_pipeline.resize_image(rgb, size, resize), vcfg.patch_size,
-                                                     vcfg.temporal_patch_size, vcfg.spatial_merge_size)
-            vision_device = self.vision.pos_embed.weight.device
+        for pixels, grid in image_pipeline.preprocess_images(
+                items, size=size, mode=resize, srgb=srgb, background=background, patch_size=vcfg.patch_size,
+                temporal_patch_size=vcfg.temporal_patch_size, merge_size=vcfg.spatial_merge_size):
             embeds.append(self.vision(pixels.to(vision_device, self.dtype), [grid]).cpu())
             grids.append(grid)
+            if progress is not None:
+                progress(len(grids), len(items))
         return EncodedImages(embeds, grids)
 
     # ------------------------------------------------------------------------------------------- prompts
@@ -138,6 +150,7 @@ class A3BModel:
 
     def build_prompt(self, user: str = "", system: str | None = None, images: EncodedImages | None = None,
                      thinking: bool = False, history: Sequence[Turn] = (), add_vision_id: bool = False) -> "ChatPrompt":
+        self.require_loaded()
         images = images if images is not None else EncodedImages([], [])
         if not isinstance(images, EncodedImages):
             raise PromptError(f"images is a {type(images).__name__}; pass the result of model.encode_images(...), "
@@ -238,6 +251,7 @@ class A3BModel:
     def logits(self, input_ids: torch.Tensor, images: EncodedImages | None = None,
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """LongTensor [B, T] -> float32 logits [B, T, vocab]; no cache is kept."""
+        self.require_loaded()
         input_ids = check_input_ids(input_ids, self.config.text.vocab_size)
         return self.forward(input_ids, images if images is not None else EncodedImages([], []),
                             attention_mask=attention_mask)
@@ -306,10 +320,16 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
     started = time.perf_counter()
     folder = resolve_model_path(path)
-    config = load_config(folder)
+    raw_config = read_config(folder)
+    ckpt = Checkpoint(folder)  # headers only: config.json's layer counts are checked against them before any use
+    config = parse_config(raw_config, str(folder / "config.json"), stored_layers(ckpt))
+    ckpt.fp8_block = config.fp8_block
+    tokenizer = None
+    if (folder / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_folder(folder)
+        check_against_config(tokenizer, config, str(folder / "config.json"))
     device = devices.resolve_device(device)
     dtype = resolve_compute_dtype(compute_dtype, device)
-    ckpt = Checkpoint(folder, fp8_block=config.fp8_block)
     plan = make_plan(config, {n: (i.shape, i.dtype) for n, i in ckpt.infos.items()}, preset,
                      weight_format=weight_format, kv_cache=kv_cache, max_context=max_context,
                      has_cuda=device.type == "cuda", gpu_free=devices.free_bytes(device), cpu_free=ram_budget,
@@ -347,7 +367,6 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     place_text_model(text.eval(), where(plan.dense_device), where(plan.embed_device),
                      {layer: where("cuda") for layer in plan.gpu_expert_layers})
     fuse_input_projections(text, release_under(text_prefix))
-    tokenizer = Tokenizer.from_folder(folder) if (folder / "tokenizer.json").is_file() else None
     stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
     return A3BModel(folder, config, text, vision, tokenizer, plan, where(plan.dense_device), dtype, stats)
 

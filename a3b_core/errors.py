@@ -27,3 +27,7 @@ class GenerationError(A3BError):
 
 class PlacementError(A3BError):
     """A memory budget cannot hold the model in any format."""
+
+
+class ModelReleasedError(A3BError):
+    """A model handle is used after release(); the model must be loaded again."""

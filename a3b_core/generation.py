@@ -22,10 +22,10 @@ import torch
 from . import devices
 from .cache import Cache, checked_kv_format
 from .engine import A3BModel, ChatPrompt, EncodedImages, check_input_ids
-from .errors import GenerationError, PromptError
+from .errors import CheckpointError, GenerationError, PromptError
 from .heap import heap_kept
 from .placement import cache_row_bytes
-from .sampling import Sampler, SamplingParams, resolve_sampling
+from .sampling import NOT_FINITE, Sampler, SamplingParams, resolve_sampling
 from .tokenizer import StreamDecoder, Tokenizer
 from .weights import FORMAT_OF_DTYPE
 
@@ -148,6 +148,10 @@ def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed,
     if max_context > positions:
         raise GenerationError(f"max_context is {max_context} but the model supports {positions} positions "
                               "(max_position_embeddings); lower max_context.")
+    if max_context > model.max_context:
+        raise GenerationError(f"max_context is {max_context} but the model was loaded for at most "
+                              f"{model.max_context} tokens (its memory plan holds a cache that long). Lower "
+                              f"max_context, or load the model with load_model(..., max_context={max_context}).")
     for number, request in enumerate(requests):
         if len(request.ids) + max_new_tokens > max_context:
             which = "the prompt" if len(requests) == 1 else f"prompt {number}"
@@ -274,6 +278,7 @@ class SequenceOutput:
 def _run(model: A3BModel, prompts: list, *, max_new_tokens, temperature, top_p, top_k, min_p, presence_penalty,
          repetition_penalty, seed, stop, thinking_budget, kv_dtype, max_context,
          on_text: Callable[[int, str], None] | None, should_stop: Callable[[], bool] | None) -> list[GenerationResult]:
+    model.require_loaded()
     where = (lambda i: "the prompt") if len(prompts) == 1 else (lambda i: f"prompt {i}")
     requests = [_request(model, p, where(i)) for i, p in enumerate(prompts)]
     opts = _options(model, requests, max_new_tokens=max_new_tokens, seed=seed, stop=stop,
@@ -349,7 +354,9 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
     active = list(range(len(rows)))  # rows still in the batch, in batch order
     decoded = 0
     for step in range(opts.max_new_tokens):
-        sampled = sampler(logits)
+        sampled = sampler(logits)  # the step's one copy to the CPU: ids, or NOT_FINITE for a broken row
+        if NOT_FINITE in sampled:
+            raise _non_finite_scores(model)
         if step == 0:
             stats["ttft_s"] = time.perf_counter() - started
             stats["prefill_tok_s"] = sum(lengths) / stats["ttft_s"]
@@ -377,6 +384,14 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
     decode_s = time.perf_counter() - started - stats["ttft_s"]
     stats["decode_tok_s"] = decoded / decode_s if decoded and decode_s > 0 else 0.0
     return stats | _peak_memory(device)
+
+
+def _non_finite_scores(model: A3BModel) -> CheckpointError:
+    overflow = (" With compute_dtype float16 it can also be an overflow: load the model with compute_dtype "
+                "'bfloat16' instead." if model.dtype == torch.float16 else "")
+    return CheckpointError(f"{model.folder}: the model computed NaN or infinite scores for the next token, so "
+                           "generation stopped. Its weights look corrupt: download the model's files again (and "
+                           f"compare them with the release's checksums).{overflow}")
 
 
 def _peak_memory(device: torch.device) -> dict:

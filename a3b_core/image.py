@@ -1,5 +1,8 @@
 """Image pipeline: any image in -> sRGB 8-bit RGB PIL image -> resized -> normalised pixel patches.
 
+`preprocess` is that path for one image and `preprocess_images` for a batch; the engine encodes every image through
+them, so their options (resize mode, ICC conversion, background) are the ones that act.
+
 The patch step reproduces the model's image processor bit for bit (spec section 3.9): smart_resize to multiples of
 32, PIL bicubic resize on uint8, x/255 in float64 then float32, (x - mean) / std, block-major patches with the single
 frame duplicated to temporal_patch_size.
@@ -12,6 +15,7 @@ import io
 import math
 import os
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,6 +30,7 @@ MAX_INPUT_PIXELS = 8192 * 8192 * 2  # decompression-bomb guard for decoded input
 PROCESSOR_MIN_PIXELS = 256 * 256
 PROCESSOR_MAX_PIXELS = 4096 * 4096
 MAX_ASPECT_RATIO = 200
+WHITE = (255, 255, 255)
 
 _SRGB_PROFILE = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB"))
 # Which ICC colour space each working mode needs for its embedded profile to apply.
@@ -95,7 +100,7 @@ def _array_to_pil(arr: np.ndarray, name: str) -> Image.Image:
     if not (arr.ndim == 2 or (arr.ndim == 3 and arr.shape[2] in (3, 4))):
         raise ImageError(
             f"{name} is not an image array; expected HxW, HxWx1, HxWx3 or HxWx4 (channels last). "
-            "For a batch [B,H,W,C] use images_from_input()."
+            "For a batch [B,H,W,C] use split_batch() or preprocess_images()."
         )
     _check_pixel_count(arr.shape[1], arr.shape[0], name)
     if arr.dtype == np.uint8:
@@ -119,6 +124,8 @@ def _working_mode(img: Image.Image, name: str) -> Image.Image:
     if img.mode == "I" or img.mode.startswith("I;16"):
         # PIL's convert("L") would clip 16-bit values at 255 instead of scaling them.
         return _array_to_pil(np.clip(np.asarray(img), 0, 65535).astype(np.uint16), name)
+    if img.mode == "La":  # luminance premultiplied by alpha: PIL reaches RGBA from it only through LA
+        img = img.convert("LA")
     has_alpha = any(band in ("A", "a") for band in img.getbands()) or "transparency" in img.info
     if has_alpha:
         return img.convert("RGBA")
@@ -154,14 +161,21 @@ def _normalise(img: Image.Image, background: tuple[int, int, int], srgb: bool, n
     return img.convert("RGB")
 
 
-def load_image(
-    src: Any, *, background: tuple[int, int, int] = (255, 255, 255), srgb: bool = True
-) -> Image.Image:
-    """Any supported input -> 8-bit RGB PIL image in sRGB (EXIF orientation applied, alpha over `background`).
+def _check_background(background: Any) -> None:
+    if (not isinstance(background, (tuple, list)) or len(background) != 3
+            or not all(isinstance(c, int) and not isinstance(c, bool) and 0 <= c <= 255 for c in background)):
+        raise ImageError(f"background {background!r} is not a colour; give three integers 0..255, such as "
+                         "(255, 255, 255) for white.")
+
+
+def load_image(src: Any, *, background: tuple[int, int, int] = WHITE, srgb: bool = True) -> Image.Image:
+    """Any supported input -> 8-bit RGB PIL image (EXIF orientation applied, alpha over `background`), converted to
+    sRGB from its embedded ICC profile when `srgb` (else the stored values are taken as sRGB).
 
     `src`: a file path, a PIL image, a numpy array (HxW or HxWx1/3/4; uint8, uint16, bool or float 0..1) or a torch
     tensor [H,W,C] (float 0..1 or uint8). Animated files give their first frame (a PIL image: its current frame).
     """
+    _check_background(background)
     name = _describe(src)
     if isinstance(src, (str, os.PathLike)):
         with _open_file(src, name) as img:
@@ -178,8 +192,8 @@ def load_image(
     raise ImageError(f"{name} is not an image; give a file path, PIL image, numpy array or torch tensor.")
 
 
-def images_from_input(images: Any) -> list[Image.Image]:
-    """One image, a list of images, or a [B,H,W,C] batch (ComfyUI IMAGE) -> list of RGB PIL images."""
+def split_batch(images: Any) -> list[Any]:
+    """One image, a list of images, or [B,H,W,C] batches (ComfyUI IMAGE) -> a list of single images, as given."""
     items = list(images) if isinstance(images, (list, tuple)) else [images]
     flat: list[Any] = []
     for item in items:
@@ -189,13 +203,7 @@ def images_from_input(images: Any) -> list[Image.Image]:
             flat.append(item)
     if not flat:
         raise ImageError("No images were given (empty list or empty batch); connect at least one image.")
-    result = []
-    for index, item in enumerate(flat):
-        try:
-            result.append(load_image(item))
-        except ImageError as e:
-            raise ImageError(f"Image {index + 1} of {len(flat)}: {e}") from e
-    return result
+    return flat
 
 
 def smart_resize(
@@ -289,8 +297,32 @@ def preprocess(
     size: int = 384,
     mode: str = "stretch",
     srgb: bool = True,
-    background: tuple[int, int, int] = (255, 255, 255),
+    background: tuple[int, int, int] = WHITE,
+    patch_size: int = 16,
+    temporal_patch_size: int = 2,
+    merge_size: int = 2,
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """load_image -> resize_image -> to_patches: the one-call path the engine uses."""
+    """One image -> (pixel_values, grid): load_image -> resize_image -> to_patches."""
     img = load_image(src, background=background, srgb=srgb)
-    return to_patches(resize_image(img, size, mode))
+    return to_patches(resize_image(img, size, mode), patch_size, temporal_patch_size, merge_size)
+
+
+def preprocess_images(
+    images: Any,
+    size: int = 384,
+    mode: str = "stretch",
+    srgb: bool = True,
+    background: tuple[int, int, int] = WHITE,
+    patch_size: int = 16,
+    temporal_patch_size: int = 2,
+    merge_size: int = 2,
+) -> Iterator[tuple[torch.Tensor, tuple[int, int, int]]]:
+    """split_batch(images), each image through preprocess in turn; an error names the image's place in the batch."""
+    _check_background(background)
+    items = split_batch(images)
+    for index, item in enumerate(items):
+        try:
+            patches = preprocess(item, size, mode, srgb, background, patch_size, temporal_patch_size, merge_size)
+        except ImageError as e:
+            raise ImageError(f"Image {index + 1} of {len(items)}: {e}") from e
+        yield patches

@@ -20,8 +20,6 @@ _VISION_START = "<|vision_start|>"
 _IMAGE_PAD = "<|image_pad|>"
 _VISION_END = "<|vision_end|>"
 _IMAGE_TEXT = _VISION_START + _IMAGE_PAD + _VISION_END
-# Written by the template only; in user text they would desynchronise image pads and image embeddings.
-_VISION_CONTROL_TOKENS = (_VISION_START, _VISION_END, _IMAGE_PAD, "<|video_pad|>")
 
 _THINKING_OPEN = "<think>\n"
 _THINKING_SKIPPED = "<think>\n\n</think>\n\n"
@@ -56,7 +54,7 @@ def build_prompt(tokenizer: Tokenizer, user: str, *, system: str | None = None,
     `image_token_counts` lists every image of the conversation in order: first the `num_images` of each history turn,
     then the images of `user`. In a user text each `[[IMG]]` marks where the next image goes; a text without markers
     gets its images before the text. A blank `system` means no system message. `add_vision_id` labels images
-    "Picture N: ", numbered across the whole conversation.
+    "Picture N: ", numbered across the whole conversation. No text may contain a control token (see _check_text).
     """
     for name, value in (("user", user), ("system", system)):
         if value is not None and not isinstance(value, str) or name == "user" and value is None:
@@ -72,13 +70,18 @@ def build_prompt(tokenizer: Tokenizer, user: str, *, system: str | None = None,
             f"history turns reference {history_images} images but image_token_counts lists only {len(counts)}. "
             "Pass the earlier turns' images first, then the images of the current user text.")
     user_images = len(counts) - history_images
+    texts = [(user, "user text"), (system or "", "system message")]
+    for number, turn in enumerate(history, start=1):
+        texts += [(turn.user, f"history turn {number} user text"),
+                  (turn.assistant, f"history turn {number} assistant text")]
+    for text, where in texts:
+        _check_text(text, where, tokenizer.control_tokens)
     if not user.strip() and user_images == 0:
         raise PromptError("the prompt is empty: the user text is blank and no image was given. "
                           "Write a request in the user text or connect an image.")
 
     parts: list[str] = []
     if system is not None and system.strip():
-        _check_text(system, "system message")
         if IMAGE_MARKER in system:
             raise PromptError(f"the system message contains {IMAGE_MARKER}, but system messages cannot hold images. "
                               "Move the marker into the user text.")
@@ -87,7 +90,6 @@ def build_prompt(tokenizer: Tokenizer, user: str, *, system: str | None = None,
     images_before = 0
     for number, turn in enumerate(history, start=1):
         where = f"history turn {number}"
-        _check_text(turn.assistant, f"{where} assistant text")
         parts.append(_message("user", _user_content(turn.user, turn.num_images, images_before, add_vision_id,
                                                     f"{where} user text", f"its num_images is {turn.num_images}")))
         parts.append(_message("assistant", _history_answer(turn)))
@@ -110,16 +112,19 @@ def _checked_token_counts(image_token_counts: Sequence[int]) -> tuple[int, ...]:
     return tuple(int(count) for count in image_token_counts)
 
 
-def _check_text(text: str, where: str) -> None:
+def _check_text(text: str, where: str, control_tokens: frozenset[str]) -> None:
+    """Text from a workflow or a file must never forge a turn (`<|im_end|>` then `<|im_start|>system`) or move the
+    image pads away from their images, so it may hold none of the tokenizer's control tokens."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise PromptError(f"the {where} contains a character that is not valid Unicode ({exc.object[exc.start]!r} at "
                           f"position {exc.start}); remove it or re-type the text.") from None
-    for token in _VISION_CONTROL_TOKENS:
+    for token in sorted(control_tokens):
         if token in text:
-            raise PromptError(f"the {where} contains the control token {token}, which only the template may write. "
-                              f"Remove it; write {IMAGE_MARKER} where an image goes.")
+            raise PromptError(f"the {where} contains the control token {token}, which only the chat template may "
+                              f"write: text cannot start a turn or place an image. Remove it (write {IMAGE_MARKER} "
+                              "where an image goes).")
 
 
 def _message(role: str, content: str) -> str:
@@ -129,7 +134,6 @@ def _message(role: str, content: str) -> str:
 def _user_content(text: str, num_images: int, images_before: int, add_vision_id: bool, where: str,
                   given: str) -> str:
     """The user text with its images in place, trimmed as a whole like the template's `|trim`."""
-    _check_text(text, where)
     markers = count_image_markers(text)
     if markers == 0:
         pieces = [""] * num_images + [text]  # no marker: all images before the text

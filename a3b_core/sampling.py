@@ -9,6 +9,9 @@ device (for the same logits), and no device generator is needed.
 Penalties follow the OpenAI/vLLM meanings: `presence_penalty` is subtracted once from the logit of every token the
 model has already generated in this answer; `repetition_penalty` (the CTRL rule) divides positive and multiplies
 negative logits of every token seen so far, prompt included. 1.0 and 0.0 switch them off.
+
+Every value has a range (see _check). Past its ends a setting changes nothing a real model's scores can show (they span
+well under 100), but float32 scores overflow: inf - inf is NaN, and no token can be drawn.
 """
 from __future__ import annotations
 
@@ -19,6 +22,11 @@ from numbers import Integral, Real
 import torch
 
 from .errors import GenerationError
+
+TEMPERATURE_RANGE = (0.01, 100.0)  # or 0: greedy
+PRESENCE_PENALTY_RANGE = (-100.0, 100.0)
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+NOT_FINITE = -1  # the sampler's token for a row whose logits hold NaN or inf
 
 
 @dataclass(frozen=True)
@@ -69,9 +77,11 @@ def _number(name: str, value) -> float:
 
 
 def _check(p: SamplingParams) -> None:
-    if _number("temperature", p.temperature) < 0:
-        raise GenerationError(f"temperature is {p.temperature}; it must be 0 (greedy) or more. Qwen recommends "
-                              "0.7 without thinking and 1.0 with thinking: use one of those, or 0 for greedy.")
+    low, high = TEMPERATURE_RANGE
+    if _number("temperature", p.temperature) != 0 and not low <= p.temperature <= high:
+        raise GenerationError(f"temperature is {p.temperature}; it must be 0 (greedy) or between {low:g} and "
+                              f"{high:g}. Qwen recommends 0.7 without thinking and 1.0 with thinking: use one of "
+                              "those, or 0 for greedy.")
     if not 0 < _number("top_p", p.top_p) <= 1:
         raise GenerationError(f"top_p is {p.top_p}; it must be in (0, 1]. Use 1 to switch it off.")
     if isinstance(p.top_k, bool) or not isinstance(p.top_k, Integral) or p.top_k < 0:
@@ -79,10 +89,14 @@ def _check(p: SamplingParams) -> None:
                               "default.")
     if not 0 <= _number("min_p", p.min_p) <= 1:
         raise GenerationError(f"min_p is {p.min_p}; it must be in [0, 1]. Use 0 to switch it off.")
-    _number("presence_penalty", p.presence_penalty)
-    if _number("repetition_penalty", p.repetition_penalty) <= 0:
-        raise GenerationError(f"repetition_penalty is {p.repetition_penalty}; it must be above 0. Use 1 to switch "
-                              "it off.")
+    low, high = PRESENCE_PENALTY_RANGE
+    if not low <= _number("presence_penalty", p.presence_penalty) <= high:
+        raise GenerationError(f"presence_penalty is {p.presence_penalty}; it must be between {low:g} and {high:g}. "
+                              "Use 1.5, Qwen's default, or 0 to switch it off.")
+    low, high = REPETITION_PENALTY_RANGE
+    if not low <= _number("repetition_penalty", p.repetition_penalty) <= high:
+        raise GenerationError(f"repetition_penalty is {p.repetition_penalty}; it must be between {low:g} and "
+                              f"{high:g}. Use 1 to switch it off.")
 
 
 # ------------------------------------------------------------------------------------------ logits processors
@@ -105,8 +119,9 @@ def filter_top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
         return logits
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # the top token always has 0 before it, so it is always kept
-    drop = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, mass_before >= p)
+    drop_sorted = probs.cumsum(dim=-1) - probs >= p  # the probability mass before each token reaches p
+    drop_sorted[:, 0] = False  # the top token stays, even for a p that is 0 in float32
+    drop = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, drop_sorted)
     return logits.masked_fill_(drop, -math.inf)
 
 
@@ -135,21 +150,26 @@ class Sampler:
                 self.seen[row, torch.tensor(ids, dtype=torch.long, device=device)] = True
 
     def __call__(self, logits: torch.Tensor) -> list[int]:
-        """Float logits [B, V] (changed in place) -> the next token id of each row."""
+        """Float logits [B, V] (changed in place) -> the next token id of each row, or NOT_FINITE for a row whose
+        logits hold NaN or inf (checked where the logits are, and brought to the CPU in the same copy as the ids)."""
+        finite = logits.isfinite().all(dim=-1)
+        logits.masked_fill_(~finite[:, None], 0.0)  # keeps the draw below defined for such rows
         p = self.params
         apply_penalties(logits, self.generated, self.seen, p.presence_penalty, p.repetition_penalty)
         if p.greedy:
-            return logits.argmax(dim=-1).cpu().tolist()
+            return logits.argmax(dim=-1).masked_fill_(~finite, NOT_FINITE).cpu().tolist()
         k = p.top_k if 0 < p.top_k < logits.shape[-1] else logits.shape[-1]
         if k < logits.shape[-1]:
             values, ids = logits.topk(k, dim=-1)  # the candidates, most likely first; ids are exact in fp32
-            values, ids = torch.cat([values, ids.float()], dim=-1).cpu().split(k, dim=-1)
         else:
-            values, ids = logits.cpu(), None
+            values, ids = logits, None
+        moved = torch.cat([values, *([] if ids is None else [ids.float()]), finite[:, None].float()], dim=-1).cpu()
+        values, finite = moved[:, :k], moved[:, -1].bool()
         values.div_(p.temperature)
         filter_min_p(filter_top_p(values, p.top_p), p.min_p)
         picks = torch.multinomial(values.softmax(dim=-1), 1, generator=self.generator)
-        return (picks if ids is None else ids.gather(-1, picks).long())[:, 0].tolist()
+        tokens = picks if ids is None else moved[:, k:2 * k].gather(-1, picks).long()
+        return tokens[:, 0].masked_fill_(~finite, NOT_FINITE).tolist()
 
     def observe(self, tokens: torch.Tensor) -> None:
         """Records the tokens [B] (on any device) just appended to each row."""

@@ -8,8 +8,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 from tokenizers import AddedToken
 
-from .config import inside_folder
-from .errors import CheckpointError
+from .config import ModelConfig, inside_folder
+from .errors import CheckpointError, ConfigError
 
 # Qwen3.5's control tokens, in the order the real vocabulary numbers them. `<think>` and `</think>` are ordinary
 # (non-special) added tokens in the real tokenizer, so decoding keeps them in the text.
@@ -18,14 +18,26 @@ SPECIAL_TOKENS = (
     "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>",
 )
 THINK_TOKENS = ("<think>", "</think>")
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>")  # every prompt needs them
+IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")  # every image needs them
+# config.json's ids of the vision tokens, which must be the tokenizer's.
+VISION_TOKEN_IDS = (("image_token_id", "<|image_pad|>"), ("video_token_id", "<|video_pad|>"),
+                    ("vision_start_token_id", "<|vision_start|>"), ("vision_end_token_id", "<|vision_end|>"))
 
 
 class Tokenizer:
     """Text <-> token ids for one model folder."""
 
     def __init__(self, backend: HFTokenizer, source: str = "tokenizer.json"):
+        # A tokenizer.json may carry truncation or padding settings; a prompt must never be cut or padded by them.
+        backend.no_truncation()
+        backend.no_padding()
         self.backend = backend
         self.source = source
+        # Text may not contain these (prompt.py refuses them): the chat template's own control tokens and every token
+        # tokenizer.json marks special; the think tags excepted, which answers carry as ordinary text.
+        special = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
+        self.control_tokens = frozenset(SPECIAL_TOKENS) | (special - set(THINK_TOKENS))
 
     @classmethod
     def from_folder(cls, folder: str | Path) -> "Tokenizer":
@@ -61,6 +73,32 @@ class Tokenizer:
 
     def maybe_token_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+
+def check_against_config(tokenizer: Tokenizer, config: ModelConfig, config_path: str) -> None:
+    """tokenizer.json checked against config.json when a model is loaded: the control tokens prompts need are there,
+    and both files give the vision and end-of-text tokens the same ids (a mix-up would silently mis-tokenise)."""
+    needed = CHAT_TOKENS + (IMAGE_TOKENS if config.vision is not None else ())
+    missing = [token for token in needed if tokenizer.maybe_token_id(token) is None]
+    if missing:
+        raise CheckpointError(f"{tokenizer.source}: lacks {', '.join(missing)}, which Qwen3.5 prompts need. Use the "
+                              "tokenizer.json that came with the model.")
+    mismatch = "The two files come from different models: use the config.json and tokenizer.json of the same release."
+    highest = max(tokenizer.backend.get_vocab(with_added_tokens=True).values())
+    if highest >= config.text.vocab_size:
+        raise ConfigError(f"{config_path}: {tokenizer.source} has ids up to {highest} but config.json's vocab_size is "
+                          f"{config.text.vocab_size}. {mismatch}")
+    if config.vision is not None:
+        for field, token in VISION_TOKEN_IDS:
+            expected, found = getattr(config, field), tokenizer.maybe_token_id(token)
+            if found is not None and found != expected:
+                raise ConfigError(f"{config_path}: {field} is {expected} but {tokenizer.source} gives {token} the id "
+                                  f"{found}. {mismatch}")
+    for eos in config.text.eos_token_ids:
+        token = tokenizer.backend.id_to_token(eos)
+        if token not in tokenizer.control_tokens:
+            raise ConfigError(f"{config_path}: eos_token_id {eos} is {token!r} in {tokenizer.source}, not a control "
+                              f"token such as <|im_end|>, so answers would end at ordinary text. {mismatch}")
 
 
 class StreamDecoder:

@@ -6,6 +6,7 @@ loading never holds a second copy of the weights.
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -16,7 +17,7 @@ from torch import nn
 
 from . import devices
 from .checkpoint import FP8_DTYPES, Checkpoint
-from .config import TextConfig
+from .config import StoredLayers, TextConfig
 from .errors import CheckpointError, PlacementError
 from .experts import FLOAT_FORMATS, FP8_BLOCK, Fp8Linear, QuantizedExperts
 
@@ -26,10 +27,14 @@ VISION_PREFIXES = ("model.visual.", "visual.")
 Progress = Callable[[int, int], None]
 
 
+def _prefix_of(ckpt: Checkpoint, probe: str, prefixes: tuple[str, ...]) -> str | None:
+    return next((prefix for prefix in prefixes if prefix + probe in ckpt), None)
+
+
 def find_prefix(ckpt: Checkpoint, probe: str, prefixes: tuple[str, ...], what: str) -> str:
-    for prefix in prefixes:
-        if prefix + probe in ckpt:
-            return prefix
+    prefix = _prefix_of(ckpt, probe, prefixes)
+    if prefix is not None:
+        return prefix
     raise CheckpointError(f"{ckpt.folder}: no '{probe}' tensor under any known prefix ({', '.join(map(repr, prefixes))}),"
                           f" so the {what} weights cannot be found. Is this a Qwen3.5/3.6 checkpoint?")
 
@@ -38,6 +43,21 @@ def stays_fp32(name: str, tensor_shape: tuple[int, ...]) -> bool:
     """Vectors (norm weights, biases, gates' scalars) and the DeltaNet conv kernels (tiny, and applied in fp32) are
     kept in fp32 whatever the compute dtype."""
     return len(tensor_shape) <= 1 or name.endswith("conv1d.weight")
+
+
+def stored_layers(ckpt: Checkpoint) -> StoredLayers:
+    """How many decoder layers and vision blocks the checkpoint holds, from its tensor names alone."""
+    return StoredLayers(text=_block_count(ckpt, "embed_tokens.weight", TEXT_PREFIXES, "layers"),
+                        vision=_block_count(ckpt, "pos_embed.weight", VISION_PREFIXES, "blocks"))
+
+
+def _block_count(ckpt: Checkpoint, probe: str, prefixes: tuple[str, ...], blocks: str) -> int | None:
+    """Highest `<prefix><blocks>.N.` index + 1 under the prefix that holds `probe`; None when no prefix does."""
+    prefix = _prefix_of(ckpt, probe, prefixes)
+    if prefix is None:
+        return None
+    numbered = re.compile(re.escape(prefix + blocks) + r"\.(\d+)\.")
+    return max((int(match[1]) + 1 for match in map(numbered.match, ckpt.infos) if match), default=0)
 
 
 def param_dtype(name: str, tensor_shape: tuple[int, ...], compute_dtype: torch.dtype) -> torch.dtype:

@@ -44,16 +44,16 @@ class A3BImageEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: A3BModelHandle, image: Any, size: int, resize: str, srgb: bool) -> io.NodeOutput:
+        bridge.raise_if_interrupted()
         engine = model.acquire()
-        count = int(image.shape[0])
-        progress = bridge.Progress(count)
-        encoded = None
-        for index in range(count):  # one at a time: a progress step and a chance to Stop per image
+        progress = bridge.Progress(int(image.shape[0]))
+
+        def after_image(done: int, total: int) -> None:  # a progress step and a chance to Stop per image
+            progress.set(done)
             bridge.raise_if_interrupted()
-            one = engine.encode_images(image[index:index + 1], size=size, resize=resize, srgb=srgb)
-            encoded = one if encoded is None else encoded + one
-            progress.set(index + 1)
-        return io.NodeOutput(encoded)
+
+        # The whole batch in one call, so that an error names the image's place in it.
+        return io.NodeOutput(engine.encode_images(image, size=size, resize=resize, srgb=srgb, progress=after_image))
 
 
 class A3BPrompt(io.ComfyNode):
@@ -113,7 +113,7 @@ class A3BGenerate(io.ComfyNode):
                 io.Float.Input("temperature", default=0.7, min=0.0, max=2.0, step=0.05,
                                tooltip="Randomness. 0 always picks the most likely token. Qwen recommends 0.7 "
                                        "without thinking, 1.0 with thinking."),
-                io.Float.Input("top_p", default=0.8, min=0.0, max=1.0, step=0.01,
+                io.Float.Input("top_p", default=0.8, min=0.01, max=1.0, step=0.01,
                                tooltip="Sample only from the most likely tokens whose probabilities add up to this. "
                                        "Qwen: 0.8 without thinking, 0.95 with thinking."),
                 io.Int.Input("top_k", default=20, min=0, max=1000,

@@ -8,7 +8,7 @@ read and converted, CPU experts compute real numbers). With `fake_weights=True`,
 for models too big to hold (the real 35B's shapes); prompts and other bookkeeping stay real.
 
 Reading a CUDA tensor's values on the host (`.tolist()`, `.item()`, `bool()`, a copy to the CPU) has no data to give:
-the stand-in answers zeros of the right shape and counts the read in `host_reads`, so a test can bound the
+the stand-in answers ones of the right shape (valid ids, finite flags set) and counts the read in `host_reads`, so a test can bound the
 device->host synchronisations per token. `memory` tracks the bytes of live CUDA storages and their peak (the
 allocations torch's CUDA allocator would hold, without its caching slack). Attention on the stand-in GPU allocates
 what a fused kernel does, its output: CUDA GPUs run the engine's attention calls in fused kernels (flash for a whole
@@ -115,13 +115,13 @@ class FakeCuda(TorchFunctionMode):
             if args[0].device.type == "cuda":
                 self.host_reads += 1
             with torch._C.DisableTorchFunction(), unset_fake_temporarily():
-                return func(torch.zeros(args[0].shape, dtype=args[0].dtype), *args[1:], **kwargs)
+                return func(torch.ones(args[0].shape, dtype=args[0].dtype), *args[1:], **kwargs)
         if func in (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda) and isinstance(args[0], torch.Tensor):
             source, target, dtype = args[0], _target(func, args, kwargs), _dtype(args, kwargs)
             if isinstance(source, FakeTensor) and source.device.type == "cuda" and target == "cpu":
                 self.host_reads += 1
                 with torch._C.DisableTorchFunction():
-                    return torch.zeros(source.shape, dtype=dtype or source.dtype)
+                    return torch.ones(source.shape, dtype=dtype or source.dtype)
             if target == "cuda":
                 return self._fake_call(func, (self._to_fake(source), *args[1:]), kwargs)
         if func in (torch.tensor, torch.as_tensor) and _is_cuda(kwargs.get("device")):

@@ -76,6 +76,17 @@ def test_header_not_json(tmp_path):
         Checkpoint(tmp_path)
 
 
+def test_5000_digit_integers_in_header_and_index(tmp_path):
+    blob = b'{"__metadata__": {}, "x": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 4]}}'
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(blob)) + blob + b"\0" * 4)
+    with pytest.raises(CheckpointError, match="model.safetensors: header is not valid JSON .*digits"):
+        read_header(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"x": "a.safetensors"}, "n": ' + "9" * 5000
+                                                          + "}")
+    with pytest.raises(CheckpointError, match="model.safetensors.index.json: cannot be read .*digits"):
+        Checkpoint(tmp_path)
+
+
 def test_pickle_only_folder_is_refused_without_loading(tmp_path):
     # a real pickle that would run code if unpickled: the loader must never open it
     (tmp_path / "pytorch_model.bin").write_bytes(b"cos\nsystem\n(S'touch pwned'\ntR.")

@@ -1,9 +1,10 @@
 """config.json parsing: every key spelling of the Qwen3.5 family, and clear errors for the rest."""
 import json
+import math
 
 import pytest
 
-from a3b_core.config import load_config, parse_config
+from a3b_core.config import MAX_LAYERS, StoredLayers, load_config, parse_config
 from a3b_core.errors import ConfigError
 
 TEXT = {
@@ -68,10 +69,38 @@ def test_eos_list():
     (nested(layer_types=["full_attention"]), "'layer_types' must list 8"),
     (nested(rope_parameters={**ROPE, "mrope_section": [4, 4, 4]}), "mrope_section"),
     (nested(rope_parameters={**ROPE, "rope_type": "yarn"}), "rope_type 'yarn'"),
+    (nested(rope_parameters={**ROPE, "rope_theta": math.nan}), "'rope_theta' is nan"),
+    (nested(rope_parameters={**ROPE, "rope_theta": math.inf}), "'rope_theta' is inf"),
+    (nested(rope_parameters={**ROPE, "rope_theta": -math.inf}), "'rope_theta' is -inf"),
+    (nested(rope_parameters={**ROPE, "partial_rotary_factor": math.nan}), "'partial_rotary_factor' is nan"),
+    (nested(rope_parameters={**ROPE, "partial_rotary_factor": 1.5}), "'partial_rotary_factor' is 1.5"),
+    (nested(rms_norm_eps=math.nan), "'rms_norm_eps' is nan"),
+    (nested(num_hidden_layers=10**9), f"'num_hidden_layers' is 1000000000; .* {MAX_LAYERS}"),
+    (nested(hidden_size=10**400), "'hidden_size' is a 401-digit number"),
+    (nested(eos_token_id=512), "eos_token_id .*512.* vocab_size"),
+    ({**nested(), "image_token_id": 2**63}, "'image_token_id' is 9223372036854775808"),
     ({"model_type": "qwen3_5_moe", "text_config": [1]}, "'text_config' must be an object"),
 ])
 def test_bad_configs(raw, message):
     with pytest.raises(ConfigError, match=message):
+        parse_config(raw)
+
+
+def test_layer_counts_are_checked_against_the_weights():
+    with pytest.raises(ConfigError, match=r"'num_hidden_layers' is 8 but the weights hold 4 decoder layers"):
+        parse_config(nested(), stored=StoredLayers(text=4, vision=2))
+    with pytest.raises(ConfigError, match=r"'depth' is 2 but the weights hold 3 vision blocks"):
+        parse_config(nested(), stored=StoredLayers(text=8, vision=3))
+    with pytest.raises(ConfigError, match=r"'num_hidden_layers' is 1000000000 but the weights hold 8"):
+        parse_config(nested(num_hidden_layers=10**9), stored=StoredLayers(text=8, vision=2))
+    assert parse_config(nested(), stored=StoredLayers(text=8, vision=2)).text.num_layers == 8
+    assert parse_config(nested(), stored=StoredLayers(text=8, vision=None)).vision.depth == 2  # no vision weights
+
+
+def test_vision_depth_is_capped_without_weights():
+    raw = nested()
+    raw["vision_config"]["depth"] = 10**7
+    with pytest.raises(ConfigError, match=f"'depth' is 10000000; .* {MAX_LAYERS}"):
         parse_config(raw)
 
 
@@ -90,3 +119,17 @@ def test_missing_and_broken_files(tmp_path):
         load_config(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps(nested()))
     assert load_config(tmp_path).text.num_layers == 8
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999"])
+def test_non_finite_literals_in_the_file(tmp_path, literal):
+    text = json.dumps(nested()).replace('"rope_theta": 10000000.0', f'"rope_theta": {literal}')
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=r"config.json: 'rope_theta' is -?(nan|inf)"):
+        load_config(tmp_path)
+
+
+def test_5000_digit_integer_in_the_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(nested()).replace("{", '{"n": ' + "9" * 5000 + ", ", 1))
+    with pytest.raises(ConfigError, match="config.json: cannot be parsed as JSON .*digits"):
+        load_config(tmp_path)

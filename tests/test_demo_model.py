@@ -18,7 +18,7 @@ from a3b_core.demo import dataset
 from a3b_core.demo.train import DEMO_DIR, DEMO_FP8_DIR, TEST_SEED, caption_files, write_test_images
 from a3b_core.engine import load_model
 from a3b_core.image import load_image
-from tests.test_image import D50, gamma_curve, icc_profile, xyz_of, xyz_tag
+from tests.test_image import prophoto_rgb_icc
 
 HELD_OUT_IMAGES = 40
 MIN_ACCURACY = 0.95
@@ -49,20 +49,6 @@ def test_default_model_is_the_demo(demo_model):
     assert demo_model.folder == DEMO_DIR
     assert demo_model.config.model_type == "qwen3_5_moe"
     assert load_model(None).folder == DEMO_DIR
-
-
-PROPHOTO_PRIMARIES = [(0.7347, 0.2653), (0.1596, 0.8404), (0.0366, 0.0001)]
-PROPHOTO_GAMMA = 1.8
-
-
-def prophoto_rgb_icc() -> bytes:
-    """ProPhoto RGB (ROMM RGB), a wide-gamut photo-editing space: a matrix/TRC profile whose white is D50, the profile
-    connection space's own, so its colorants need no chromatic adaptation."""
-    columns = np.stack([xyz_of(x, y) for x, y in PROPHOTO_PRIMARIES], axis=1)
-    colorants = columns * np.linalg.solve(columns, D50)
-    tags = [(name, xyz_tag(colorants[:, i])) for i, name in enumerate((b"rXYZ", b"gXYZ", b"bXYZ"))]
-    tags += [(name, gamma_curve(PROPHOTO_GAMMA)) for name in (b"rTRC", b"gTRC", b"bTRC")]
-    return icc_profile(b"RGB ", tags)
 
 
 def nearest_colour_name(value: np.ndarray) -> str:

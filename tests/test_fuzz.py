@@ -1,5 +1,5 @@
-"""Fuzzing the four parsers that read what users hand us (safetensors headers, config.json, prompt text, image files),
-and a short soak: many generations in one process leave no cache behind.
+"""Fuzzing the parsers that read what users hand us (safetensors headers, config.json, tokenizer.json, prompt text,
+image files), and a short soak: many generations in one process leave no cache behind.
 
 Each property is "a specific A3BError, or a valid result" - never another exception, a crash or a huge allocation.
 Examples are derandomized (the same every run, so CI is reproducible) and the local database is off. Budget: about
@@ -26,17 +26,18 @@ from safetensors.torch import save_file
 
 from a3b_core import load_model
 from a3b_core.checkpoint import Checkpoint, read_header
-from a3b_core.config import ModelConfig, parse_config
+from a3b_core.config import MAX_LAYERS, ModelConfig, load_config, parse_config
 from a3b_core.errors import CheckpointError, ConfigError, ImageError, PromptError
 from a3b_core.image import MAX_INPUT_PIXELS, load_image
 from a3b_core.prompt import IMAGE_MARKER, Turn, build_prompt
-from a3b_core.tokenizer import Tokenizer
+from a3b_core.tokenizer import Tokenizer, check_against_config
 from bench.soak import run_soak
+from tests.tiny_models import MOE_DIMS, TEXT_DIMS, TOKEN_IDS, VISION_DIMS
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 FUZZ_SCALE = int(os.environ.get("A3B_FUZZ_SCALE", "1"))
-EXAMPLES = {"header_bytes": 300, "header_mutations": 800, "header_fields": 500, "config": 600, "prompt": 600,
-            "image": 1000}
+EXAMPLES = {"header_bytes": 300, "header_mutations": 800, "header_fields": 500, "config": 600, "config_numbers": 400,
+            "tokenizer": 150, "prompt": 600, "image": 1000}
 DATA = Path(__file__).parent / "data"
 
 
@@ -149,26 +150,27 @@ def check_config(cfg: ModelConfig) -> None:
     positive = [t.vocab_size, t.hidden_size, t.num_layers, t.num_heads, t.num_kv_heads, t.head_dim,
                 t.linear_num_key_heads, t.linear_num_value_heads, t.linear_key_head_dim, t.linear_value_head_dim,
                 t.linear_conv_kernel_dim, t.max_position_embeddings]
-    assert all(type(v) is int and v > 0 for v in positive)
+    assert all(type(v) is int and 0 < v < 2**31 for v in positive)
+    assert t.num_layers <= MAX_LAYERS
     assert t.num_heads % t.num_kv_heads == 0 and t.linear_num_value_heads % t.linear_num_key_heads == 0
     assert len(t.layer_types) == t.num_layers and set(t.layer_types) <= {"full_attention", "linear_attention"}
     assert 2 <= t.rotary_dim <= t.head_dim and t.rotary_dim % 2 == 0
     assert all(type(s) is int and s >= 0 for s in t.mrope_section) and sum(t.mrope_section) == t.rotary_dim // 2
     assert math.isfinite(t.rope_theta) and t.rope_theta > 0
     assert math.isfinite(t.rms_norm_eps) and t.rms_norm_eps >= 0
-    assert all(type(i) is int for i in t.eos_token_ids)
+    assert all(type(i) is int and 0 <= i < t.vocab_size for i in t.eos_token_ids)
     if t.is_moe:
         assert 0 < t.num_experts_per_tok <= t.num_experts
         assert t.moe_intermediate_size > 0 and t.shared_expert_intermediate_size > 0
     else:
         assert t.intermediate_size > 0
     tokens = [cfg.image_token_id, cfg.video_token_id, cfg.vision_start_token_id, cfg.vision_end_token_id]
-    assert all(type(i) is int for i in tokens)
+    assert all(type(i) is int and 0 <= i < 2**31 for i in tokens)
     if cfg.vision is not None:
         v = cfg.vision
         assert all(type(n) is int and n > 0 for n in (v.depth, v.hidden_size, v.num_heads, v.intermediate_size,
                                                       v.patch_size, v.spatial_merge_size, v.out_hidden_size))
-        assert v.hidden_size % v.num_heads == 0
+        assert v.hidden_size % v.num_heads == 0 and v.depth <= MAX_LAYERS
     block = (cfg.quantization or {}).get("weight_block_size")
     assert not block or (isinstance(block, list) and len(block) == 2 and all(type(b) is int and b > 0 for b in block))
 
@@ -226,6 +228,117 @@ def test_random_config_dicts_parse_or_fail_clearly(raw, model_type):
         check_config(parse_config(raw))
     except ConfigError:
         pass
+
+
+def numeric_paths(obj, prefix=()):
+    """Paths of every number in a JSON object (booleans are not numbers here)."""
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            yield from numeric_paths(value, prefix + (key,))
+    elif isinstance(obj, list):
+        for index, value in enumerate(obj):
+            yield from numeric_paths(value, prefix + (index,))
+    elif isinstance(obj, (int, float)) and not isinstance(obj, bool):
+        yield prefix
+
+
+# Python's json reads NaN, Infinity, 1e999 (as inf) and integers of any size; each must be refused or be harmless.
+EXTREME_NUMBERS = st.sampled_from([math.nan, math.inf, -math.inf, 0, -1, 0.5, 1.5, 1e-300, 1e300, 2**31, 2**63,
+                                   10**30, 10**400]) | st.floats() | st.integers(-2**70, 2**70)
+
+
+@fuzz("config_numbers")
+@given(data=st.data())
+def test_extreme_numbers_in_release_config_parse_or_fail_clearly(data):
+    raw = copy.deepcopy(RELEASE_CONFIGS[0])
+    for _ in range(data.draw(st.integers(1, 3))):
+        *parents, key = data.draw(st.sampled_from(sorted(numeric_paths(raw), key=str)))
+        owner = raw
+        for parent in parents:
+            owner = owner[parent]
+        owner[key] = data.draw(EXTREME_NUMBERS)
+    try:
+        check_config(parse_config(raw))
+    except ConfigError:
+        pass
+
+
+@pytest.mark.parametrize("literal", ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "9" * 5000, "-" + "9" * 5000,
+                                     "1" + "0" * 400, "0.0", "1e-400"])
+def test_every_number_of_the_release_config_file_can_be_extreme(tmp_path, literal):
+    """The same through the file: each number of config.json's text replaced by a literal json.loads accepts (or
+    chokes on); a valid config or a ConfigError, never another exception."""
+    raw = RELEASE_CONFIGS[0]
+    for path in sorted(numeric_paths(raw), key=str):
+        edited = copy.deepcopy(raw)
+        owner = edited
+        for parent in path[:-1]:
+            owner = owner[parent]
+        owner[path[-1]] = "@@"
+        (tmp_path / "config.json").write_text(json.dumps(edited).replace('"@@"', literal))
+        try:
+            check_config(load_config(tmp_path))
+        except ConfigError:
+            pass
+
+
+# --------------------------------------------------------------------------------------------- tokenizer.json
+TINY_CONFIG = parse_config({"model_type": "qwen3_5_moe", "text_config": {**TEXT_DIMS, **MOE_DIMS},
+                            "vision_config": VISION_DIMS, **TOKEN_IDS})
+TINY_TOKENIZER = json.loads(build_tiny_tokenizer().to_str())
+ADDED = [t["content"] for t in TINY_TOKENIZER["added_tokens"]]
+TRUNCATION = st.none() | st.fixed_dictionaries({
+    "direction": st.sampled_from(["Right", "Left"]), "max_length": st.integers(0, 64),
+    "strategy": st.sampled_from(["LongestFirst", "OnlyFirst", "OnlySecond"]), "stride": st.integers(0, 4)})
+PADDING = st.none() | st.fixed_dictionaries({
+    "strategy": st.sampled_from(["BatchLongest"]) | st.builds(lambda n: {"Fixed": n}, st.integers(0, 300)),
+    "direction": st.sampled_from(["Right", "Left"]), "pad_to_multiple_of": st.none() | st.integers(1, 16),
+    "pad_id": st.integers(0, 600), "pad_type_id": st.integers(0, 2), "pad_token": st.sampled_from(["!", "<|im_end|>"])})
+# (which added token, what happens to it): dropped, renamed to another added token's text, its special flag flipped,
+# or its id moved.
+EDITS = st.lists(st.tuples(st.sampled_from(ADDED), st.sampled_from(["drop", "rename", "flip", "renumber"]),
+                           st.sampled_from(ADDED), st.integers(0, 520)), max_size=3)
+
+
+def edit_added_tokens(tokenizer: dict, edits) -> None:
+    for content, action, other, new_id in edits:
+        for token in list(tokenizer["added_tokens"]):
+            if token["content"] != content:
+                continue
+            if action == "drop":
+                tokenizer["added_tokens"].remove(token)
+            elif action == "rename":
+                token["content"] = other
+            elif action == "flip":
+                token["special"] = not token["special"]
+            else:
+                token["id"] = new_id
+
+
+@fuzz("tokenizer")
+@given(truncation=TRUNCATION, padding=PADDING, edits=EDITS)
+def test_edited_tokenizer_json_loads_checked_or_fails_clearly(scratch, truncation, padding, edits):
+    """An accepted tokenizer.json keeps every promise: it neither cuts nor pads, holds the chat template's control
+    tokens, and agrees with config.json on the vision and end-of-text ids."""
+    data = copy.deepcopy(TINY_TOKENIZER) | {"truncation": truncation, "padding": padding}
+    edit_added_tokens(data, edits)
+    folder = scratch / "tokenizer"
+    folder.mkdir(exist_ok=True)
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    try:
+        tokenizer = Tokenizer.from_folder(folder)
+        check_against_config(tokenizer, TINY_CONFIG, "config.json")
+    except (CheckpointError, ConfigError):
+        return
+    text = "The quick brown fox jumps over the lazy dog. " * 3
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+    for token, expected in (("<|image_pad|>", TINY_CONFIG.image_token_id),
+                            ("<|vision_start|>", TINY_CONFIG.vision_start_token_id),
+                            ("<|vision_end|>", TINY_CONFIG.vision_end_token_id)):
+        assert tokenizer.token_id(token) == expected
+    assert {"<|im_start|>", "<|im_end|>"} <= tokenizer.control_tokens
+    assert all(tokenizer.backend.id_to_token(i) in tokenizer.control_tokens for i in TINY_CONFIG.text.eos_token_ids)
+    assert tokenizer.vocab_size <= TINY_CONFIG.text.vocab_size
 
 
 # ------------------------------------------------------------------------------------------------- prompt text

@@ -21,11 +21,12 @@ from a3b_core.errors import ImageError
 from a3b_core.image import (
     MAX_INPUT_PIXELS,
     RESIZE_MODES,
-    images_from_input,
     load_image,
     preprocess,
+    preprocess_images,
     resize_image,
     smart_resize,
+    split_batch,
     to_patches,
 )
 
@@ -192,6 +193,20 @@ SRGB_CURVE = (2.4, 1 / 1.055, 0.055 / 1.055, 1 / 12.92, 0.04045)
 DISPLAY_P3_ICC = matrix_trc_profile(
     P3_PRIMARIES, b"para\0\0\0\0" + struct.pack(">HH", 3, 0) + b"".join(s15fixed16(v) for v in SRGB_CURVE)
 )
+PROPHOTO_PRIMARIES = [(0.7347, 0.2653), (0.1596, 0.8404), (0.0366, 0.0001)]
+PROPHOTO_GAMMA = 1.8
+
+
+def prophoto_rgb_icc() -> bytes:
+    """ProPhoto RGB (ROMM RGB), a wide-gamut photo-editing space: a matrix/TRC profile whose white is D50, the profile
+    connection space's own, so its colorants need no chromatic adaptation."""
+    columns = np.stack([xyz_of(x, y) for x, y in PROPHOTO_PRIMARIES], axis=1)
+    colorants = columns * np.linalg.solve(columns, D50)
+    tags = [(name, xyz_tag(colorants[:, i])) for i, name in enumerate((b"rXYZ", b"gXYZ", b"bXYZ"))]
+    tags += [(name, gamma_curve(PROPHOTO_GAMMA)) for name in (b"rTRC", b"gTRC", b"bTRC")]
+    return icc_profile(b"RGB ", tags)
+
+
 COLOUR_CASES = {
     "adobe_rgb": (ADOBE_RGB_ICC, ADOBE_PRIMARIES, lambda v: v**ADOBE_GAMMA),
     "display_p3": (DISPLAY_P3_ICC, P3_PRIMARIES, decode_srgb),
@@ -263,6 +278,16 @@ def test_broken_profile_warns_and_keeps_pixels(tmp_path):
     assert np.array_equal(pixels(loaded), pixels(swatch_image()))
 
 
+def test_srgb_option_switches_the_profile_conversion(tmp_path):
+    path = tmp_path / "prophoto.png"
+    swatch_image().save(path, icc_profile=prophoto_rgb_icc())
+    stored, _ = preprocess(swatch_image())
+    as_stored, _ = preprocess(path, srgb=False)
+    as_srgb, _ = preprocess(path, srgb=True)
+    assert torch.equal(as_stored, stored)
+    assert (as_srgb - as_stored).abs().max() > 0.1
+
+
 def test_untagged_image_is_unchanged(tmp_path):
     path = tmp_path / "plain.png"
     swatch_image().save(path)
@@ -298,6 +323,25 @@ def test_rgba_alpha_composites_over_background(tmp_path):
     r, g, b = loaded.getpixel((2, 0))
     assert abs(r - 128) <= 1 and g == 0 and abs(b - 127) <= 1
     assert load_image(path).getpixel((0, 0)) == (255, 255, 255)  # default background is white
+
+
+@pytest.mark.parametrize("background", [(0, 0, 0), (255, 255, 255), (30, 200, 90)])
+def test_background_option_sets_the_composite_under_partial_alpha(background):
+    """Half-transparent red: the patches are red blended with `background` (within the one step of 8-bit rounding)."""
+    rgba = np.zeros((64, 64, 4), dtype=np.uint8)
+    rgba[..., 0], rgba[..., 3] = 255, 128
+    alpha = 128 / 255
+    expected = np.round(np.array([255, 0, 0]) * alpha + np.array(background) * (1 - alpha)).astype(np.uint8)
+    patches, _ = preprocess(rgba, size=64, background=background)
+    reference, _ = preprocess(np.broadcast_to(expected, (64, 64, 3)).copy(), size=64)
+    assert (patches - reference).abs().max() <= 2 / 255 + 1e-6  # one 8-bit step after (x - 0.5) / 0.5
+
+
+def test_premultiplied_grey_alpha_is_composited():
+    """PIL's "La" stores luminance premultiplied by alpha: 100 at alpha 128 is a grey of 199 half covering."""
+    la = Image.new("La", (2, 2), (100, 128))
+    assert abs(load_image(la, background=(0, 0, 0)).getpixel((0, 0))[0] - 100) <= 1
+    assert abs(load_image(la).getpixel((0, 0))[0] - (100 + 127)) <= 1
 
 
 def test_la_greyscale_with_alpha(tmp_path):
@@ -361,7 +405,7 @@ def test_comfyui_batch_tensor_round_trips_exactly():
     rng = np.random.default_rng(1)
     uint8 = rng.integers(0, 256, (2, 5, 7, 3), dtype=np.uint8)
     batch = torch.from_numpy(uint8).float() / 255.0  # how ComfyUI's LoadImage builds IMAGE
-    images = images_from_input(batch)
+    images = [load_image(item) for item in split_batch(batch)]
     assert len(images) == 2
     for img, expected in zip(images, uint8):
         assert img.mode == "RGB" and img.size == (7, 5)
@@ -382,13 +426,14 @@ def test_numpy_inputs():
     assert load_image(torch.tensor([[[0.0, 1.0, 0.0]]])).getpixel((0, 0)) == (0, 255, 0)
 
 
-def test_images_from_input_mixed_list(tmp_path):
+def test_mixed_list_is_split_into_single_images(tmp_path):
     path = tmp_path / "a.png"
     Image.new("RGB", (3, 3), (1, 2, 3)).save(path)
-    images = images_from_input([path, str(path), Image.new("L", (2, 2), 9), np.zeros((1, 4, 4, 3), np.uint8)])
-    assert [img.size for img in images] == [(3, 3), (3, 3), (2, 2), (4, 4)]
-    assert all(img.mode == "RGB" for img in images)
-    assert len(images_from_input(Image.new("RGB", (2, 2)))) == 1
+    items = split_batch([path, str(path), Image.new("L", (2, 2), 9), np.zeros((2, 4, 4, 3), np.uint8)])
+    assert [load_image(item).size for item in items] == [(3, 3), (3, 3), (2, 2), (4, 4), (4, 4)]
+    assert len(split_batch(Image.new("RGB", (2, 2)))) == 1
+    grids = [grid for _, grid in preprocess_images(items, mode="native")]
+    assert grids == [(1, 16, 16)] * 5
 
 
 # ---------------------------------------------------------------- resize modes
@@ -503,9 +548,11 @@ def test_bad_arrays(array, message):
 def test_batch_error_names_the_image():
     good = np.zeros((4, 4, 3), dtype=np.uint8)
     with pytest.raises(ImageError, match="Image 2 of 2"):
-        images_from_input([good, np.zeros((0, 4, 3), dtype=np.uint8)])
+        list(preprocess_images([good, np.zeros((0, 4, 3), dtype=np.uint8)]))
+    with pytest.raises(ImageError, match="Image 4 of 5: .*aspect ratio"):  # a per-image resize error too
+        list(preprocess_images([good] * 3 + [np.zeros((2, 900, 3), np.uint8), good], mode="native"))
     with pytest.raises(ImageError, match="No images"):
-        images_from_input([])
+        list(preprocess_images([]))
     with pytest.raises(ImageError, match="not an image"):
         load_image(42)
 

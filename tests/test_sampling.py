@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from a3b_core.errors import GenerationError
-from a3b_core.sampling import (QWEN_RECOMMENDED, Sampler, SamplingParams, apply_penalties, filter_min_p,
+from a3b_core.sampling import (NOT_FINITE, QWEN_RECOMMENDED, Sampler, SamplingParams, apply_penalties, filter_min_p,
                                filter_top_p, resolve_sampling)
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
@@ -40,11 +40,53 @@ def test_greedy_switches_unset_penalties_off_but_keeps_explicit_ones():
     dict(temperature=-0.1), dict(temperature=math.nan), dict(temperature="hot"), dict(top_p=0), dict(top_p=1.01),
     dict(top_k=-1), dict(top_k=2.5), dict(top_k=True), dict(min_p=-0.01), dict(min_p=1.5),
     dict(repetition_penalty=0), dict(repetition_penalty=-1), dict(presence_penalty=math.inf),
+    dict(temperature=1e-39), dict(temperature=0.009), dict(temperature=1e39), dict(presence_penalty=1e39),
+    dict(presence_penalty=-101), dict(repetition_penalty=1e39), dict(repetition_penalty=1e-39),
+    dict(repetition_penalty=0.009),
 ])
 def test_out_of_range_values_name_themselves(values):
     name = next(iter(values))
     with pytest.raises(GenerationError, match=name):
         resolve_sampling(False, **values)
+
+
+@pytest.mark.parametrize("values", [
+    dict(temperature=0.01), dict(temperature=100), dict(presence_penalty=-100), dict(presence_penalty=100),
+    dict(repetition_penalty=0.01), dict(repetition_penalty=100), dict(top_p=1e-45), dict(min_p=1.0),
+])
+def test_the_limits_themselves_are_accepted(values):
+    assert resolve_sampling(False, **values)
+
+
+@pytest.mark.parametrize("values", [
+    dict(temperature=0.01), dict(temperature=100), dict(presence_penalty=-100), dict(presence_penalty=100),
+    dict(repetition_penalty=0.01), dict(repetition_penalty=100), dict(top_p=1e-46), dict(min_p=1.0),
+])
+def test_extreme_accepted_values_keep_scores_finite(values):
+    """Scores of a real model's range through every processor at the limits: never NaN, always a token to draw."""
+    params = resolve_sampling(False, top_k=0, **({"presence_penalty": 0.0} | values))
+    logits = torch.linspace(-60, 60, 64)[None].repeat(2, 1)
+    logits[1, :8] = 0.0
+    sampler = Sampler(params, [[0, 1, 2, 63], [5]], vocab_size=64, device=torch.device("cpu"), seed=0)
+    sampler.observe(torch.tensor([63, 8]))
+    assert sampler(logits) != [NOT_FINITE, NOT_FINITE]
+    assert not logits.isnan().any() and torch.isfinite(logits).any(dim=-1).all()
+
+
+def test_top_p_below_the_smallest_float_keeps_the_top_token():
+    assert kept(filter_top_p(logits_of(PROBS), 1e-46)) == {0}  # 1e-46 is 0 in float32
+
+
+def test_non_finite_rows_are_flagged_not_sampled():
+    """A row with NaN or inf scores gets NOT_FINITE (checked with the token ids, in the same copy to the CPU); the
+    other rows sample as usual."""
+    logits = logits_of(PROBS).repeat(3, 1)
+    logits[0, 2] = math.nan
+    logits[2, 1] = math.inf
+    for params in (SamplingParams(0.0, 1.0, 0, 0.0, 0.0, 1.0), SamplingParams(1.0, 0.9, 0, 0.0, 1.0, 1.2)):
+        sampler = Sampler(params, [[0]] * 3, vocab_size=len(PROBS), device=torch.device("cpu"), seed=0)
+        tokens = sampler(logits.clone())
+        assert tokens[0] == tokens[2] == NOT_FINITE and 0 <= tokens[1] < len(PROBS)
 
 
 @pytest.mark.parametrize("top_p, expected", [(0.4, {0}), (0.49, {0}), (0.75, {0, 1}), (0.85, {0, 1, 2}),

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import pytest
 
+from a3b_core.sampling import resolve_sampling
 from tests.integration.comfy_server import PACK_NAME
 from tests.integration.conftest import BROKEN_MODEL, TINY_MODEL
 
@@ -72,6 +73,15 @@ def test_generate_defaults_are_qwens_non_thinking_settings(object_info: dict) ->
     assert inputs["mode"][1]["options"] == ["single", "per image"]
     assert info["output_is_list"] == [True, True]
     assert info["input"]["hidden"] == {"unique_id": ["UNIQUE_ID"]}
+
+
+def test_every_sampler_widget_value_is_one_the_engine_accepts(object_info: dict) -> None:
+    """Each widget's ends are accepted, and the engine's ranges are intervals (temperature: 0, then from 0.01, below
+    the widget's 0.05 step), so every value a widget can take is accepted."""
+    inputs = _inputs(object_info["A3BGenerate"])
+    for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty"):
+        for end in ("min", "max"):
+            resolve_sampling(False, **{name: inputs[name][1][end]})
 
 
 def test_image_encode_and_save_captions_settings(object_info: dict) -> None:
