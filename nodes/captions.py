@@ -27,14 +27,16 @@ def save_captions(output_root: str | Path, captions: Sequence[str], subfolder: s
     return f"{folder}\n" + "\n".join(lines)
 
 
-def _refuse_nul(text: str, what: str) -> None:
-    if "\0" in text:
-        raise ConfigError(f"{what} {text!r} holds a NUL character, which no file name can hold. Remove it.")
+def _refuse_control_characters(text: str, what: str) -> None:
+    bad = [char for char in text if ord(char) < 32 or char == "\x7f"]
+    if bad:
+        raise ConfigError(f"{what} {text!r} holds the control character {bad[0]!r}; a file name cannot hold NUL and "
+                          "should hold no control characters. Remove it.")
 
 
 def confined_folder(output_root: str | Path, subfolder: str) -> Path:
     """`output_root/subfolder`, refusing anything that could point outside the output folder."""
-    _refuse_nul(subfolder, "subfolder")
+    _refuse_control_characters(subfolder, "subfolder")
     text = subfolder.strip().replace("\\", "/")
     parts = PurePosixPath(text).parts
     if (PurePosixPath(text).is_absolute() or ".." in parts
@@ -85,8 +87,7 @@ def _check_file_name(name: str, what: str) -> None:
 
 def caption_stems(names: str, count: int, prefix: str) -> list[str]:
     """File stems for `count` captions: one per line of `names` (an image file name or stem), else numbered."""
-    _refuse_nul(names, "names")
-    _refuse_nul(prefix, "filename_prefix")
+    _refuse_control_characters(prefix, "filename_prefix")
     lines = [line.strip() for line in names.splitlines() if line.strip()]
     if not lines:
         stem = prefix.strip() or "caption"
@@ -100,6 +101,7 @@ def caption_stems(names: str, count: int, prefix: str) -> list[str]:
                           "file name per line, in the order of the images, or leave names empty to number the files.")
     stems = []
     for number, line in enumerate(lines, 1):
+        _refuse_control_characters(line, f"names line {number}")
         stem = PureWindowsPath(line).stem  # a name or a path (either separator, any drive): keep the file's stem
         if not stem or stem in (".", ".."):
             raise ConfigError(f"names line {number} ({line!r}) has no usable file name. Write the image's file "
