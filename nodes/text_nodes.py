@@ -5,6 +5,7 @@ from typing import Any
 
 from . import comfy_bridge as bridge
 from .comfy_bridge import io
+from .image_batch import encode_image_batch
 from .live_text import LiveText
 from .model_handle import A3BModelHandle
 from .prompt_spec import MODES, SINGLE, PromptSpec, build_prompts
@@ -43,16 +44,7 @@ class A3BImageEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: A3BModelHandle, image: Any, size: int, resize: str, srgb: bool) -> io.NodeOutput:
-        engine = model.acquire()
-        count = int(image.shape[0])
-        progress = bridge.Progress(count)
-        encoded = None
-        for index in range(count):  # one at a time: a progress step and a chance to Stop per image
-            bridge.raise_if_interrupted()
-            one = engine.encode_images(image[index:index + 1], size=size, resize=resize, srgb=srgb)
-            encoded = one if encoded is None else encoded + one
-            progress.set(index + 1)
-        return io.NodeOutput(encoded)
+        return io.NodeOutput(encode_image_batch(model.acquire(), image, size, resize, srgb))
 
 
 class A3BPrompt(io.ComfyNode):

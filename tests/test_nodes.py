@@ -8,14 +8,16 @@ import pytest
 
 import torch
 
-from a3b_core import EncodedImages
-from a3b_core.errors import ConfigError, PromptError
+from a3b_core import EncodedImages, load_model
+from a3b_core.errors import ConfigError, ImageError, PromptError
 from a3b_core.prompt import Turn
 from nodes import comfy_bridge
+from nodes.image_batch import encode_image_batch
 from nodes.live_text import LiveText
 from nodes.model_folders import DEMO_MODEL, list_model_folders, loader_choices, resolve_model
 from nodes.model_handle import PRESETS, preset_budget_bytes
 from nodes.prompt_spec import PromptSpec, build_prompts
+from tests.test_bad_inputs import FIX
 
 
 def _model(folder: Path) -> Path:
@@ -66,6 +68,38 @@ def test_resolve_model_refuses_names_that_leave_the_llm_folders(tmp_path: Path, 
 def test_resolve_model_names_the_searched_folders_when_missing(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=f"was not found .* in: {tmp_path}"):
         resolve_model("Qwen3.5-35B-A3B", [str(tmp_path)])
+
+
+# --- image batches -----------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo():
+    return load_model("a3b-demo", preset="cpu")
+
+
+def test_an_image_batch_is_encoded_image_by_image_as_the_engine_encodes_it_whole(demo) -> None:
+    batch = torch.rand(3, 64, 96, 3, generator=torch.Generator().manual_seed(0))
+    encoded = encode_image_batch(demo, batch, 64, "letterbox", True)
+    whole = demo.encode_images(batch, size=64, resize="letterbox")
+    assert encoded.grids == whole.grids and len(encoded) == 3
+    for one, reference in zip(encoded.embeds, whole.embeds):
+        torch.testing.assert_close(one, reference)
+
+
+@pytest.mark.parametrize("image, what", [(torch.zeros(0, 64, 64, 3), "an empty batch"),
+                                         (torch.zeros(64, 64, 3), r"of shape \(64, 64, 3\)")])
+def test_an_empty_or_unbatched_image_input_is_refused(demo, image: torch.Tensor, what: str) -> None:
+    with pytest.raises(ImageError, match=f"'image' input is {what}") as info:
+        encode_image_batch(demo, image, 384, "stretch", True)
+    assert FIX.search(str(info.value))
+
+
+def test_a_bad_image_is_named_by_its_place_in_the_whole_batch(demo) -> None:
+    batch = torch.rand(5, 32, 32, 3)
+    batch[1, 4, 4, 0] = float("nan")
+    with pytest.raises(ImageError, match="^image 2 of 5 .*NaN") as info:
+        encode_image_batch(demo, batch, 64, "stretch", True)
+    assert FIX.search(str(info.value))
 
 
 # --- prompt ingredients ------------------------------------------------------------------------------------------
