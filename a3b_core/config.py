@@ -74,6 +74,7 @@ class ModelConfig:
     vision_end_token_id: int
     quantization: dict | None  # config.json's quantization_config, as given
     fp8_block: tuple[int, int] = (128, 128)  # quantization_config.weight_block_size
+    caption_prompt: str | None = None  # a3b_caption_prompt: the request the model was trained to caption with
 
 
 def _field(src: dict, key: str, where: str, *, default: Any = ..., types: type | tuple = (int,)) -> Any:
@@ -254,6 +255,7 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
         vision_end_token_id=token("vision_end_token_id", 248054),
         quantization=quant,
         fp8_block=tuple(block),
+        caption_prompt=_field(raw, "a3b_caption_prompt", where, default=None, types=str),
     )
 
 

@@ -73,7 +73,7 @@ def test_resolve_model_names_the_searched_folders_when_missing(tmp_path: Path) -
 # --- image batches -----------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def demo():
+def demo(one_thread):
     return load_model("a3b-demo", preset="cpu")
 
 
