@@ -260,12 +260,26 @@ def parse_config(raw: dict, where: str = "config.json") -> ModelConfig:
 
 
 def inside_folder(folder: Path, path: Path, error: type[A3BError] = ConfigError) -> Path:
-    """`path` resolved, refusing symlinks (or names) that lead outside the model folder."""
+    """`path` resolved, refusing symlinks (or names) that lead outside the model folder. A model folder inside a
+    Hugging Face cache snapshot may link anywhere in its own cache repository, where the download's files are."""
     resolved = path.resolve()
-    if not resolved.is_relative_to(folder.resolve()):
-        raise error(f"{path}: points outside the model folder {folder} (to {resolved}). Copy the file into the "
-                    "folder instead of linking to it.")
+    repository = cache_repository(folder)
+    allowed = repository or folder.resolve()
+    if not resolved.is_relative_to(allowed):
+        where = f"the model folder {folder}" + (f" and its Hugging Face cache repository {repository}"
+                                                if repository else "")
+        raise error(f"{path}: points outside {where} (to {resolved}). Copy the file into the folder instead of "
+                    "linking to it.")
     return resolved
+
+
+def cache_repository(folder: Path) -> Path | None:
+    """The Hugging Face cache repository (<cache>/models--org--name, holding blobs/ and snapshots/<revision>/) whose
+    snapshots/ the model folder really is in, or None."""
+    for parent in folder.resolve().parents:
+        if parent.name == "snapshots" and parent.parent.name.startswith("models--"):
+            return parent.parent
+    return None
 
 
 def load_config(folder: str | Path) -> ModelConfig:
