@@ -490,8 +490,9 @@ FOLDER_CASES = [
     Bad("hf-cache-shard-linked-into-another-repository", load_hf_cache("moe_fused_bf16", change=lambda snap: relink(
         snap / BF16_SHARDS[1], snap.parents[2] / "models--Other--model" / "blobs" / "0000")), CheckpointError,
         (BF16_SHARDS[1], "outside")),
-    Bad("hf-cache-tokenizer-linked-into-a-similarly-named-repository", load_hf_cache("moe_hf", change=lambda snap: relink(
-        snap / "tokenizer.json", snap.parents[3] / "models--Qwen--tiny-copy" / "snapshots" / "x" / "tokenizer.json")),
+    Bad("hf-cache-tokenizer-linked-into-a-similarly-named-repository", load_hf_cache(
+        "moe_hf", change=lambda snap: relink(snap / "tokenizer.json", snap.parents[3] / "models--Qwen--tiny-copy"
+                                             / "snapshots" / "x" / "tokenizer.json")),
         CheckpointError, ("tokenizer.json", "outside")),
     Bad("hf-cache-snapshots-folder-not-in-a-models-repository", load_hf_cache("moe_hf", repo="downloads"),
         ConfigError, ("config.json", "outside")),

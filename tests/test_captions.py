@@ -128,7 +128,7 @@ def test_every_path_is_checked_before_the_first_file_is_written(output: Path) ->
     refused(output, "slime.txt.*is a folder", captions=["a knight", "a slime"], names="knight.png\nslime.png")
 
 
-# --- inputs that used to escape as raw Python errors -------------------------------------------------------------
+# --- characters and names a file system refuses, folders in the way, link loops ------------------------------
 
 @pytest.mark.parametrize("field, inputs", [("subfolder", {"subfolder": "caps\0x"}),
                                            ("names line 1", {"names": "knight\0.png"}),

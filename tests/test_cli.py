@@ -29,7 +29,8 @@ def captions(folder: Path | str, paths: list[Path], prompt: str) -> list[str]:
     """What the engine answers for each image with `prompt`, greedy, as the CLI prints it."""
     model = load_model(folder)
     chats = [model.build_prompt(user=prompt, images=model.encode_images(path)) for path in paths]
-    return [f"{path}: {model.generate(chat, max_new_tokens=128, temperature=0).text}" for path, chat in zip(paths, chats)]
+    return [f"{path}: {model.generate(chat, max_new_tokens=128, temperature=0).text}"
+            for path, chat in zip(paths, chats)]
 
 
 def run(capsys, *argv: str) -> tuple[int, list[str], str]:

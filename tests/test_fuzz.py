@@ -6,8 +6,8 @@ Each property is "a specific A3BError, or a valid result" - never another except
 (and for caption files: never a file outside the output folder). Examples are derandomized (the same every run, so
 CI is reproducible) and the local database is off. Budget: about 40 s on one core for the whole file (EXAMPLES
 below: 5,300 examples in all). For a longer hunt, scale them, e.g.
-`A3B_FUZZ_SCALE=20 pytest tests/test_fuzz.py`. Every engine bug these found has a minimal case in
-test_bad_inputs.py.
+`A3B_FUZZ_SCALE=20 pytest tests/test_fuzz.py`. Each engine bug they find gets a minimal case
+in test_bad_inputs.py.
 """
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Trains, exports and evaluates the embedded demo model "a3b-demo" on the seeded shape scenes of `dataset.py`.
 
     # the shipped checkpoint: 800 vision steps, then 1600 full steps on one cosine; the best validation step (1500)
-    # is exported. 2 threads on a quiet 2-core machine: 28 min (4.5 vision + 23.5 full); a second run wrote the
-    # same bytes
+    # is exported. 2 threads on a quiet 2-core machine: 28 min (4.5 vision + 23.5 full); a second run writes
+    # the same bytes
     python -m a3b_core.demo.train train
     # exact-match caption accuracy through the full engine pipeline, on held-out scenes of seed 999; shipped:
     # 96.7% on 300, 97.0% on 500 (BF16, fp32 compute and FP8 alike)
@@ -61,7 +61,7 @@ TEST_SEED = 999  # never seen in training or selection: the reported accuracy
 IGNORE = -100
 FP8_BLOCK = 128
 FP8_MAX = 448.0
-# The matrices the official FP8 release stores as e4m3 (spec 5); experts get bf16 scales, the others fp32.
+# The matrices the official FP8 release stores as e4m3; experts get bf16 scales, the others fp32.
 FP8_EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 FP8_OTHER = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
                        r"|shared_expert\.(gate|up|down)_proj)\.weight$")
@@ -321,7 +321,7 @@ def quantise_fp8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.
 
 
 def fp8_tensors(bf16: dict[str, torch.Tensor], inter: int) -> dict[str, torch.Tensor]:
-    """The official FP8 layout: per-expert e4m3 experts and the spec-5 matrices with block scales; the rest as in
+    """The official FP8 layout: per-expert e4m3 experts and the FP8_OTHER matrices with block scales; the rest as in
     the BF16 release."""
     out: dict[str, torch.Tensor] = {}
     for name, value in bf16.items():
