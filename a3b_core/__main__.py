@@ -10,26 +10,37 @@ from pathlib import Path
 
 from .checkpoint import Checkpoint
 from .config import load_config
-from .errors import A3BError
+from .engine import DEMO_MODEL_NAME, DEMO_MODELS, load_model, resolve_model_path
+from .errors import A3BError, ImageError
 from .placement import GiB, KV_CACHES, PRESET_NAMES, WEIGHT_FORMATS, classify, expert_layout, format_bytes, \
     plan_for_folder
 
+DEFAULT_CAPTION_PROMPT = "Describe the image in one sentence."
+MODEL_HELP = f"model folder (config.json + .safetensors), or an embedded demo model: {', '.join(DEMO_MODELS)}"
+
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    plan = plan_for_folder(args.model, args.preset, weight_format=args.weight_format, kv_cache=args.kv_cache,
-                           max_context=args.max_context, has_cuda=True if args.vram is not None else None,
+    plan = plan_for_folder(resolve_model_path(args.model), args.preset, weight_format=args.weight_format,
+                           kv_cache=args.kv_cache, max_context=args.max_context,
+                           has_cuda=True if args.vram is not None else None,
                            gpu_free=None if args.vram is None else int(args.vram * GiB),
                            cpu_free=None if args.ram is None else int(args.ram * GiB))
     print(json.dumps(plan.to_json(), indent=2) if args.json else plan)
     return 0
 
 
-def cmd_caption(args: argparse.Namespace) -> int:
-    from .demo.dataset import CAPTION_PROMPT
-    from .engine import DEMO_MODEL_NAME, load_model
+def check_image_files(paths: Sequence[str]) -> None:
+    """Every path must be a file before the first caption, so a typo in the last one costs no work."""
+    for path in paths:
+        if not Path(path).is_file():
+            raise ImageError(f"{path}: no such image file (it is missing or a folder), so nothing was captioned. "
+                             "Check the path.")
 
+
+def cmd_caption(args: argparse.Namespace) -> int:
+    check_image_files(args.images)
     model = load_model(args.model, preset=args.preset)
-    prompt = args.prompt or (CAPTION_PROMPT if args.model == DEMO_MODEL_NAME else "Describe the image in one sentence.")
+    prompt = args.prompt if args.prompt is not None else model.config.caption_prompt or DEFAULT_CAPTION_PROMPT
     for path in args.images:
         chat = model.build_prompt(user=prompt, images=model.encode_images(path, size=args.size, resize=args.resize),
                                   thinking=args.thinking)
@@ -39,7 +50,7 @@ def cmd_caption(args: argparse.Namespace) -> int:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    folder = Path(args.model)
+    folder = resolve_model_path(args.model)
     config = load_config(folder)
     ckpt = Checkpoint(folder)
     t, v = config.text, config.vision
@@ -74,8 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     caption = commands.add_parser("caption", help="caption images (default: the embedded demo model)")
     caption.add_argument("images", nargs="+", help="image files")
-    caption.add_argument("--model", default="a3b-demo", help="model folder, or a3b-demo (default)")
-    caption.add_argument("--prompt", default=None, help="the request (default: the model's captioning request)")
+    caption.add_argument("--model", default=DEMO_MODEL_NAME, help=MODEL_HELP + f" (default: {DEMO_MODEL_NAME})")
+    caption.add_argument("--prompt", default=None, help="the request (default: the model folder's captioning request, "
+                                                        f"else '{DEFAULT_CAPTION_PROMPT}')")
     caption.add_argument("--preset", default="auto", choices=PRESET_NAMES)
     caption.add_argument("--size", type=int, default=384, help="image side in pixels (multiple of 32)")
     caption.add_argument("--resize", default="stretch", choices=("stretch", "letterbox", "crop", "native"))
@@ -86,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     caption.set_defaults(run=cmd_caption)
 
     plan = commands.add_parser("plan", help="show where each part of a model would live (reads headers only)")
-    plan.add_argument("model", help="model folder (config.json + .safetensors)")
+    plan.add_argument("model", help=MODEL_HELP)
     plan.add_argument("--preset", default="auto", choices=PRESET_NAMES)
     plan.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
                       help="format of the routed experts kept in RAM")
@@ -99,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(run=cmd_plan)
 
     inspect = commands.add_parser("inspect", help="summarise a model folder's config and tensors")
-    inspect.add_argument("model", help="model folder (config.json + .safetensors)")
+    inspect.add_argument("model", help=MODEL_HELP)
     inspect.set_defaults(run=cmd_inspect)
     return parser
 

@@ -88,6 +88,7 @@ class ModelConfig:
     vision_end_token_id: int
     quantization: dict | None  # config.json's quantization_config, as given
     fp8_block: tuple[int, int] = (128, 128)  # quantization_config.weight_block_size
+    caption_prompt: str | None = None  # a3b_caption_prompt: the request the model was trained to caption with
 
 
 def _field(src: dict, key: str, where: str, *, default: Any = ..., types: type | tuple = (int,)) -> Any:
@@ -306,16 +307,31 @@ def parse_config(raw: dict, where: str = "config.json", stored: StoredLayers | N
         vision_end_token_id=token("vision_end_token_id", 248054),
         quantization=quant,
         fp8_block=tuple(block),
+        caption_prompt=_field(raw, "a3b_caption_prompt", where, default=None, types=str),
     )
 
 
 def inside_folder(folder: Path, path: Path, error: type[A3BError] = ConfigError) -> Path:
-    """`path` resolved, refusing symlinks (or names) that lead outside the model folder."""
+    """`path` resolved, refusing symlinks (or names) that lead outside the model folder. A model folder inside a
+    Hugging Face cache snapshot may link anywhere in its own cache repository, where the download's files are."""
     resolved = path.resolve()
-    if not resolved.is_relative_to(folder.resolve()):
-        raise error(f"{path}: points outside the model folder {folder} (to {resolved}). Copy the file into the "
-                    "folder instead of linking to it.")
+    repository = cache_repository(folder)
+    allowed = repository or folder.resolve()
+    if not resolved.is_relative_to(allowed):
+        where = f"the model folder {folder}" + (f" and its Hugging Face cache repository {repository}"
+                                                if repository else "")
+        raise error(f"{path}: points outside {where} (to {resolved}). Copy the file into the folder instead of "
+                    "linking to it.")
     return resolved
+
+
+def cache_repository(folder: Path) -> Path | None:
+    """The Hugging Face cache repository (<cache>/models--org--name, holding blobs/ and snapshots/<revision>/) whose
+    snapshots/ the model folder really is in, or None."""
+    for parent in folder.resolve().parents:
+        if parent.name == "snapshots" and parent.parent.name.startswith("models--"):
+            return parent.parent
+    return None
 
 
 def read_config(folder: str | Path) -> dict:

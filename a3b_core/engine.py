@@ -29,8 +29,8 @@ from .weights import (CONVERTED_EXPERT_FORMATS, FORMAT_OF_DTYPE, VISION_PREFIXES
 
 COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERT_CACHE_VERSION = 1
-DEMO_MODEL_NAME = "a3b-demo"
-DEMO_MODEL_DIR = Path(__file__).parent / "demo" / DEMO_MODEL_NAME
+DEMO_MODEL_NAME = "a3b-demo"  # load_model's default
+DEMO_MODELS = {name: Path(__file__).parent / "demo" / name for name in (DEMO_MODEL_NAME, "a3b-demo-fp8")}
 
 
 @dataclass
@@ -62,15 +62,20 @@ class LoadStats:
 
 
 def resolve_model_path(path: str | Path | None) -> Path:
-    if path is None or str(path) == DEMO_MODEL_NAME:
-        if not (DEMO_MODEL_DIR / "config.json").is_file():
-            raise ConfigError(f"the embedded demo model is missing from {DEMO_MODEL_DIR}; reinstall the pack or pass "
+    """The model folder for `path`: the name of an embedded demo model (None: a3b-demo), else a folder path. Every
+    command and load_model name models this way."""
+    name = DEMO_MODEL_NAME if path is None else str(path)
+    if name in DEMO_MODELS:
+        folder = DEMO_MODELS[name]
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"the embedded demo model is missing from {folder}; reinstall the pack or pass "
                               "the path of a model folder.")
-        return DEMO_MODEL_DIR
-    folder = Path(path).expanduser()
-    if not str(path).strip() or not folder.is_dir():
+        return folder
+    folder = Path(name).expanduser()
+    if not name.strip() or not folder.is_dir():
         raise ConfigError(f"{folder}: model folder not found. Pass the folder that holds config.json and the "
-                          f".safetensors files (for example models/LLM/Qwen3.5-35B-A3B), or '{DEMO_MODEL_NAME}'.")
+                          f".safetensors files (for example models/LLM/Qwen3.5-35B-A3B), or the name of an "
+                          f"embedded demo model ({', '.join(DEMO_MODELS)}).")
     return folder
 
 

@@ -1,4 +1,4 @@
-"""The random-weight benchmark checkpoint of issue 8, written once into the bench cache.
+"""The random-weight benchmark checkpoint, written once into the bench cache.
 
 A Qwen3.5-MoE text model (1.82 B parameters, ~0.38 B active per token) in the official fused BF16 layout
 (`model.layers.{i}.mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`; `linear_attn.A_log` and
@@ -7,8 +7,8 @@ loads in our engine, in transformers and in llama.cpp's converter alike. Weights
 initialiser (seeded), so norms, decay rates and routers have their intended ranges. There is no tokenizer: every
 system is fed token ids.
 
-A second folder holds the same weights in the official FP8 release layout (spec 5: per-expert e4m3 experts, 128x128
-block scales), for our engine's FP8-stored experts.
+A second folder holds the same weights in the official FP8 release layout (per-expert e4m3 experts, 128x128 block
+scales), for our engine's FP8-stored experts.
 
     python bench/bench_model.py [--small] [--fp8]     # writes (if absent) and prints the folder
 """
@@ -40,7 +40,7 @@ TEXT_CONFIG = dict(
 SMALL_CHANGES = dict(num_hidden_layers=4, num_experts=16, hidden_size=512, moe_intermediate_size=256,
                      shared_expert_intermediate_size=256)
 FP32_IN_RELEASE = re.compile(r"linear_attn\.(A_log|norm\.weight)$")
-# The official FP8 release (spec 5): per-expert e4m3 experts with bf16 block scales; these matrices e4m3 with fp32
+# The official FP8 release: per-expert e4m3 experts with bf16 block scales; these matrices e4m3 with fp32
 # scales; everything else as in the BF16 release.
 FUSED_EXPERTS = re.compile(r"^(.*\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 FP8_DENSE = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 from a3b_core.errors import ConfigError
 
 from . import comfy_bridge as bridge
-from .captions import caption_stems, caption_text, confined_folder, write_text_atomic
+from .captions import save_captions
 from .comfy_bridge import io
 
 CATEGORY = "A3B"
@@ -33,7 +33,7 @@ class A3BSaveCaptions(io.ComfyNode):
                                         "<stem of line i>.txt. Leave empty to number the files instead."),
                 io.String.Input("filename_prefix", default="caption",
                                 tooltip="Used when names is empty: files are <prefix>_00001.txt, <prefix>_00002.txt, "
-                                        "..."),
+                                        "... A plain name: folders go into subfolder."),
                 io.String.Input("trigger_word", default="",
                                 tooltip="Optional LoRA trigger word written first in every caption, followed by "
                                         "', '."),
@@ -48,12 +48,6 @@ class A3BSaveCaptions(io.ComfyNode):
                 trigger_word: list[str], if_exists: list[str]) -> io.NodeOutput:
         if if_exists[0] not in IF_EXISTS:  # ComfyUI 0.3.75 does not check V3 combo values itself
             raise ConfigError(f"if_exists is {if_exists[0]!r}; expected one of {IF_EXISTS}.")
-        folder = confined_folder(bridge.output_directory(), subfolder[0])
-        stems = caption_stems(names[0], len(captions), filename_prefix[0])
-        lines = []
-        for stem, caption in zip(stems, captions):
-            path = folder / f"{stem}.txt"
-            written = write_text_atomic(path, caption_text(caption, trigger_word[0]), if_exists[0] == "overwrite")
-            lines.append(f"{'saved' if written else 'skipped (exists)'}: {path.name}")
-        summary = f"{folder}\n" + "\n".join(lines)
+        summary = save_captions(bridge.output_directory(), captions, subfolder[0], names[0], filename_prefix[0],
+                                trigger_word[0], if_exists[0] == "overwrite")
         return io.NodeOutput(ui={"a3b_saved": [summary]})

@@ -2,43 +2,111 @@
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
+from collections.abc import Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from a3b_core.errors import ConfigError
 
+NAME_MAX = 255  # bytes in one file name: the limit of ext4, XFS, btrfs, APFS and NTFS alike
+SUFFIX = ".txt"
 
-def confined_folder(output_root: str, subfolder: str) -> Path:
+
+def save_captions(output_root: str | Path, captions: Sequence[str], subfolder: str, names: str, prefix: str,
+                  trigger_word: str, overwrite: bool) -> str:
+    """Writes one caption file per caption (A3B Save Captions) and returns the summary the node shows. Every file's
+    path is checked before the first one is written."""
+    root = Path(output_root).resolve()
+    folder = confined_folder(root, subfolder)
+    stems = caption_stems(names, len(captions), prefix)
+    paths = [confined_file(root, folder / f"{stem}{SUFFIX}") for stem in stems]
+    lines = []
+    for path, caption in zip(paths, captions):
+        written = write_text_atomic(path, caption_text(caption, trigger_word), overwrite)
+        lines.append(f"{'saved' if written else 'skipped (exists)'}: {path.name}")
+    return f"{folder}\n" + "\n".join(lines)
+
+
+def _refuse_control_characters(text: str, what: str) -> None:
+    bad = [char for char in text if ord(char) < 32 or char == "\x7f"]
+    if bad:
+        raise ConfigError(f"{what} {text!r} holds the control character {bad[0]!r}; a file name cannot hold NUL and "
+                          "should hold no control characters. Remove it.")
+
+
+def confined_folder(output_root: str | Path, subfolder: str) -> Path:
     """`output_root/subfolder`, refusing anything that could point outside the output folder."""
+    _refuse_control_characters(subfolder, "subfolder")
     text = subfolder.strip().replace("\\", "/")
     parts = PurePosixPath(text).parts
-    if PurePosixPath(text).is_absolute() or PureWindowsPath(subfolder.strip()).drive or ".." in parts:
+    if (PurePosixPath(text).is_absolute() or ".." in parts
+            or any(PureWindowsPath(part).drive for part in parts)):  # "C:x" joined on Windows leaves the folder
         raise ConfigError(f"subfolder {subfolder!r} must be a relative folder inside ComfyUI's output folder "
                           f"({output_root}); absolute paths, drive letters and '..' are not allowed. Use a name "
                           "like 'captions/my_dataset', or leave it empty for the output folder itself.")
     root = Path(output_root).resolve()
-    folder = root.joinpath(*parts).resolve()
+    folder = _resolved(root.joinpath(*parts))
     if not folder.is_relative_to(root):  # a symlink inside the output folder pointing out of it
         raise ConfigError(f"subfolder {subfolder!r} leads outside ComfyUI's output folder ({root}) through a link. "
                           "Pick a subfolder that is a real folder inside the output folder.")
     return folder
 
 
+def confined_file(root: Path, path: Path) -> Path:
+    """`path`, refused unless it resolves (following any link at the file itself) inside `root` to a place a file can
+    be written."""
+    resolved = _resolved(path)
+    if not resolved.is_relative_to(root):
+        raise ConfigError(f"{path} is a link to {resolved}, outside ComfyUI's output folder ({root}). Remove the "
+                          "link, or pick other names or another subfolder.")
+    if os.path.isdir(resolved):
+        raise ConfigError(f"{path} is a folder, so the caption cannot be saved under that name. Rename or move the "
+                          "folder, or pick other names or another subfolder.")
+    return path
+
+
+def _resolved(path: Path) -> Path:
+    """`path` with every link followed, as far as it exists."""
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError) as exc:  # a link loop
+        raise ConfigError(f"{path}: its links form a loop ({exc}). Remove the link loop, or pick another subfolder "
+                          "or other names.") from exc
+
+
+def _check_file_name(name: str, what: str) -> None:
+    """A caption file name must be one plain name that fits the file system."""
+    if "/" in name or "\\" in name or PureWindowsPath(name).drive:
+        raise ConfigError(f"{what} must be a plain name, without folders, drive letters or '..'; it gives the file "
+                          f"name {name!r}. Put folders into 'subfolder' instead.")
+    size = len(os.fsencode(name))
+    if size > NAME_MAX:
+        raise ConfigError(f"{what} gives a file name of {size} bytes, over the file system's limit of {NAME_MAX} "
+                          f"bytes. Shorten it.")
+
+
 def caption_stems(names: str, count: int, prefix: str) -> list[str]:
     """File stems for `count` captions: one per line of `names` (an image file name or stem), else numbered."""
+    _refuse_control_characters(prefix, "filename_prefix")
     lines = [line.strip() for line in names.splitlines() if line.strip()]
     if not lines:
         stem = prefix.strip() or "caption"
+        if ".." in stem:
+            raise ConfigError(f"filename_prefix {prefix!r} holds '..'; it must be a plain name such as 'caption'. "
+                              "Put folders into 'subfolder' instead.")
+        _check_file_name(f"{stem}_{count:05d}{SUFFIX}", f"filename_prefix {prefix!r}")  # the longest name
         return [f"{stem}_{index:05d}" for index in range(1, count + 1)]
     if len(lines) != count:
         raise ConfigError(f"names lists {len(lines)} image names but there are {count} captions. Give one image "
                           "file name per line, in the order of the images, or leave names empty to number the files.")
     stems = []
-    for line in lines:
-        stem = Path(line.replace("\\", "/")).stem  # a name or a path: keep only the file's stem
+    for number, line in enumerate(lines, 1):
+        _refuse_control_characters(line, f"names line {number}")
+        stem = PureWindowsPath(line).stem  # a name or a path (either separator, any drive): keep the file's stem
         if not stem or stem in (".", ".."):
-            raise ConfigError(f"names line {line!r} has no usable file name. Write the image's file name, "
-                              "e.g. 'knight.png'.")
+            raise ConfigError(f"names line {number} ({line!r}) has no usable file name. Write the image's file "
+                              "name, e.g. 'knight.png'.")
+        _check_file_name(stem + SUFFIX, f"names line {number} ({line!r})")
         stems.append(stem)
     duplicates = sorted({stem for stem in stems if stems.count(stem) > 1})
     if duplicates:
@@ -58,15 +126,30 @@ def caption_text(caption: str, trigger_word: str) -> str:
 
 def write_text_atomic(path: Path, text: str, overwrite: bool) -> bool:
     """Writes `text` to `path` through a temporary file and os.replace; False when it exists and overwrite is off."""
-    if path.exists() and not overwrite:
-        return False
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as temp:
-            temp.write(text)
-        os.replace(temp_name, path)
-    except BaseException:
-        Path(temp_name).unlink(missing_ok=True)
-        raise
+        if path.exists() and not overwrite:
+            return False
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, temp = _new_temp_file(path.parent)
+        try:
+            with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as file:
+                file.write(text)
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be written ({exc.strerror or exc}). Check that the subfolder is a folder "
+                          "with free space that you can write to, or pick another subfolder.") from exc
     return True
+
+
+def _new_temp_file(folder: Path) -> tuple[int, Path]:
+    """A new empty file in `folder`: a short name (any legal target name works beside it), and mode 0o666 less the
+    umask, like any file a program saves (tempfile.mkstemp would make it 0o600)."""
+    while True:
+        temp = folder / f".a3b-{secrets.token_hex(8)}.tmp"
+        try:
+            return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), temp
+        except FileExistsError:
+            continue

@@ -6,6 +6,7 @@ from typing import Any
 from . import comfy_bridge as bridge
 from .comfy_bridge import io
 from .generation import generate_answers, speed_line
+from .image_batch import encode_image_batch
 from .live_text import LiveText
 from .model_handle import A3BModelHandle
 from .prompt_spec import MODES, SINGLE, PromptSpec, build_prompts
@@ -44,16 +45,7 @@ class A3BImageEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: A3BModelHandle, image: Any, size: int, resize: str, srgb: bool) -> io.NodeOutput:
-        bridge.raise_if_interrupted()
-        engine = model.acquire()
-        progress = bridge.Progress(int(image.shape[0]))
-
-        def after_image(done: int, total: int) -> None:  # a progress step and a chance to Stop per image
-            progress.set(done)
-            bridge.raise_if_interrupted()
-
-        # The whole batch in one call, so that an error names the image's place in it.
-        return io.NodeOutput(engine.encode_images(image, size=size, resize=resize, srgb=srgb, progress=after_image))
+        return io.NodeOutput(encode_image_batch(model.acquire(), image, size, resize, srgb))
 
 
 class A3BPrompt(io.ComfyNode):

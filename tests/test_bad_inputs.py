@@ -12,6 +12,7 @@ flips to a failure once the engine is fixed.
 """
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -237,6 +238,39 @@ def symlink_outside(file: str) -> Callable[[Path], None]:
         shutil.move(folder / file, outside / file)
         (folder / file).symlink_to(outside / file)
     return change
+
+
+# --- the Hugging Face cache layout: <hub>/models--org--name/snapshots/<revision>/<file> -> ../../blobs/<sha256>
+REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+def hf_cache(ws: Workspace, name: str, repo: str = "models--Qwen--tiny") -> Path:
+    """Fixture folder `name` stored as the Hugging Face cache stores a download; returns the snapshot folder."""
+    source, root = getattr(ws.fixtures, name), ws.tmp / "hub" / repo
+    snapshot = root / "snapshots" / REVISION
+    (root / "blobs").mkdir(parents=True, exist_ok=True)
+    snapshot.mkdir(parents=True)
+    for file in sorted(source.iterdir()):
+        blob = root / "blobs" / hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copyfile(file, blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+def relink(link: Path, target: Path) -> None:
+    """Points `link` at a copy of its file placed at `target`."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(link, target)
+    link.unlink()
+    link.symlink_to(target)
+
+
+def load_hf_cache(name: str, repo: str = "models--Qwen--tiny", change: Callable[[Path], None] = lambda _: None):
+    def prepare(ws: Workspace):
+        snapshot = hf_cache(ws, name, repo)
+        change(snapshot)
+        return lambda: ws.load(snapshot)
+    return prepare
 
 
 def load_path(path: str) -> Prepare:
@@ -594,6 +628,20 @@ FOLDER_CASES = [
         ConfigError, ("config.json", "outside")),
     Bad("tokenizer-symlinked-outside", load_after("moe_hf", symlink_outside("tokenizer.json")),
         CheckpointError, ("tokenizer.json", "outside")),
+    Bad("hf-cache-link-out-of-the-repository", load_hf_cache("moe_hf", change=lambda snap: relink(
+        snap / "config.json", snap.parents[3] / "elsewhere" / "config.json")), ConfigError,
+        ("config.json", "outside")),
+    Bad("hf-cache-shard-linked-into-another-repository", load_hf_cache("moe_fused_bf16", change=lambda snap: relink(
+        snap / BF16_SHARDS[1], snap.parents[2] / "models--Other--model" / "blobs" / "0000")), CheckpointError,
+        (BF16_SHARDS[1], "outside")),
+    Bad("hf-cache-tokenizer-linked-into-a-similarly-named-repository", load_hf_cache(
+        "moe_hf", change=lambda snap: relink(snap / "tokenizer.json", snap.parents[3] / "models--Qwen--tiny-copy"
+                                             / "snapshots" / "x" / "tokenizer.json")),
+        CheckpointError, ("tokenizer.json", "outside")),
+    Bad("hf-cache-snapshots-folder-not-in-a-models-repository", load_hf_cache("moe_hf", repo="downloads"),
+        ConfigError, ("config.json", "outside")),
+    Bad("hf-cache-snapshots-folder-below-a-models-repository", load_hf_cache("moe_hf", repo="models--Qwen--tiny/sub"),
+        ConfigError, ("config.json", "outside")),
     Bad("path-missing", load_path("/nonexistent/models/LLM/Qwen3.5"), ConfigError,
         ("/nonexistent/models/LLM/Qwen3.5", "not found")),
     Bad("path-is-a-file", lambda ws: lambda: ws.load(ws.fixtures.moe_hf / "config.json"), ConfigError,
@@ -714,6 +762,20 @@ def test_index_symlinked_outside_is_refused(ws):
     symlink_outside(INDEX)(folder)
     with pytest.raises(CheckpointError, match=f"{INDEX}: points outside the model folder"):
         ws.load(folder)
+
+
+@pytest.mark.parametrize("name", ["moe_hf", "moe_fused_bf16"])
+def test_a_hugging_face_cache_snapshot_loads_directly_and_through_a_link(ws, name):
+    snapshot = hf_cache(ws, name)
+    linked = ws.tmp / "LLM" / "qwen"
+    linked.parent.mkdir()
+    linked.symlink_to(snapshot, target_is_directory=True)
+    ids = torch.tensor([[504, 1, 2, 3, 505]])
+    expected = ws.load(getattr(ws.fixtures, name)).logits(ids)
+    for folder in (snapshot, linked):
+        model = ws.load(folder)
+        assert model.tokenizer is not None
+        torch.testing.assert_close(model.logits(ids), expected, rtol=0, atol=0)
 
 
 def test_case_ids_are_distinct():

@@ -11,13 +11,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageCms
+from PIL import ImageCms
 from safetensors import safe_open
 
 from a3b_core.demo import dataset
-from a3b_core.demo.train import DEMO_DIR, DEMO_FP8_DIR, TEST_SEED, caption_files, write_test_images
+from a3b_core.demo.build_tokenizer import build_demo_tokenizer
+from a3b_core.demo.train import (DEMO_DIR, DEMO_FP8_DIR, TEST_SEED, caption_files, config_text, demo_config, fp8_config,
+                                 write_test_images)
 from a3b_core.engine import load_model
 from a3b_core.image import load_image
+from a3b_core.tokenizer import Tokenizer
 from tests.test_image import prophoto_rgb_icc
 
 HELD_OUT_IMAGES = 40
@@ -49,6 +52,7 @@ def test_default_model_is_the_demo(demo_model):
     assert demo_model.folder == DEMO_DIR
     assert demo_model.config.model_type == "qwen3_5_moe"
     assert load_model(None).folder == DEMO_DIR
+    assert load_model("a3b-demo-fp8").folder == DEMO_FP8_DIR
 
 
 def nearest_colour_name(value: np.ndarray) -> str:
@@ -93,6 +97,13 @@ def test_shipped_folders_are_complete_and_small(folder):
     names = {p.name for p in folder.iterdir()}
     assert names == {"config.json", "tokenizer.json", "model.safetensors"}
     assert sum(p.stat().st_size for p in folder.iterdir()) < MAX_FOLDER_BYTES
+
+
+def test_shipped_configs_are_what_training_writes():
+    config = demo_config(Tokenizer(build_demo_tokenizer()))
+    assert (DEMO_DIR / "config.json").read_text() == config_text(config)
+    assert (DEMO_FP8_DIR / "config.json").read_text() == config_text(fp8_config(config))
+    assert config["a3b_caption_prompt"] == dataset.CAPTION_PROMPT
 
 
 def test_fp8_copy_uses_the_official_per_expert_layout():

@@ -23,7 +23,7 @@ def _folder_tensors(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _release_shapes() -> dict[str, tuple[int, ...]]:
-    """Every tensor name and shape of the official BF16 release (spec 4.1), for the tiny dimensions."""
+    """Every tensor name and shape of the official BF16 release, for the tiny dimensions."""
     hidden, vocab = TEXT_DIMS["hidden_size"], TEXT_DIMS["vocab_size"]
     heads, kv_heads, head_dim = TEXT_DIMS["num_attention_heads"], TEXT_DIMS["num_key_value_heads"], TEXT_DIMS["head_dim"]
     key_dim = TEXT_DIMS["linear_num_key_heads"] * TEXT_DIMS["linear_key_head_dim"]

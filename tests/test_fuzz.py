@@ -1,11 +1,13 @@
 """Fuzzing the parsers that read what users hand us (safetensors headers, config.json, tokenizer.json, prompt text,
-image files), and a short soak: many generations in one process leave no cache behind.
+image files) and the caption file paths Save Captions builds from node inputs, and a short soak: many generations in
+one process leave no cache behind.
 
-Each property is "a specific A3BError, or a valid result" - never another exception, a crash or a huge allocation.
-Examples are derandomized (the same every run, so CI is reproducible) and the local database is off. Budget: about
-30 s on one core for the whole file (EXAMPLES below: 5,000 examples in all). For a longer hunt, scale them, e.g.
-`A3B_FUZZ_SCALE=20 pytest tests/test_fuzz.py`. Every engine bug these found has a minimal case in
-test_bad_inputs.py.
+Each property is "a specific A3BError, or a valid result" - never another exception, a crash or a huge allocation
+(and for caption files: never a file outside the output folder). Examples are derandomized (the same every run, so
+CI is reproducible) and the local database is off. Budget: about 40 s on one core for the whole file (EXAMPLES
+below: 5,300 examples in all). For a longer hunt, scale them, e.g.
+`A3B_FUZZ_SCALE=20 pytest tests/test_fuzz.py`. Each engine bug they find gets a minimal case
+in test_bad_inputs.py.
 """
 from __future__ import annotations
 
@@ -32,12 +34,13 @@ from a3b_core.image import MAX_INPUT_PIXELS, load_image
 from a3b_core.prompt import IMAGE_MARKER, Turn, build_prompt
 from a3b_core.tokenizer import Tokenizer, check_against_config
 from bench.soak import run_soak
+from nodes.captions import save_captions
 from tests.tiny_models import MOE_DIMS, TEXT_DIMS, TOKEN_IDS, VISION_DIMS
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 FUZZ_SCALE = int(os.environ.get("A3B_FUZZ_SCALE", "1"))
 EXAMPLES = {"header_bytes": 300, "header_mutations": 800, "header_fields": 500, "config": 600, "config_numbers": 400,
-            "tokenizer": 150, "prompt": 600, "image": 1000}
+            "tokenizer": 150, "prompt": 600, "image": 1000, "captions": 300}
 DATA = Path(__file__).parent / "data"
 
 
@@ -419,6 +422,52 @@ def test_mutated_images_decode_or_fail_clearly(scratch, seed, mutations):
     except ImageError:
         return
     assert img.mode == "RGB" and 0 < img.width * img.height <= MAX_INPUT_PIXELS
+
+
+# ------------------------------------------------------------------------------------------- caption file paths
+OUTSIDE = "<outside>"  # stands for the absolute path of a folder beside the output folder
+PATH_PIECES = st.sampled_from(["a", "é", ".", "..", "/", "\\", ":", "C:", "\0", " ", "\n", ".txt", ".png", "link",
+                               "file", "deep", "x" * 120, OUTSIDE])
+# No leading "/", and the folders below lie deeper than a subfolder and a prefix of 8 pieces each can climb with
+# '..' (through a link too): should a regression let a path out, it lands in the test's folder, not in the real root.
+PATH_TEXTS = st.lists(PATH_PIECES, max_size=8).map("".join).map(lambda text: text.lstrip("/"))
+CLIMB = 16
+
+
+@pytest.fixture(scope="module")
+def caption_folders(scratch) -> tuple[Path, Path, Path]:
+    """An output folder holding links out of it (a folder link, a file link, a dangling link) to `outside`, its
+    sibling; and the folder CLIMB levels above both."""
+    top = scratch / "captions"
+    output, outside = (top.joinpath(*["up"] * CLIMB, name) for name in ("output", "outside"))
+    (output / "deep").mkdir(parents=True)
+    outside.mkdir()
+    (outside / "victim.txt").write_text("mine\n")
+    (output / "link").symlink_to(outside, target_is_directory=True)
+    (output / "file.txt").symlink_to(outside / "victim.txt")
+    (output / "deep" / "a.txt").symlink_to(outside / "new.txt")
+    return top, output, outside
+
+
+def files_outside(top: Path, output: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in top.rglob("*") if p.is_file() and not p.is_relative_to(output)}
+
+
+@fuzz("captions")
+@given(subfolder=PATH_TEXTS, names=st.lists(PATH_TEXTS, max_size=3).map("\n".join), prefix=PATH_TEXTS,
+       count=st.integers(1, 3))
+def test_caption_files_never_land_outside_the_output_folder(caption_folders, subfolder, names, prefix, count):
+    top, output, outside = caption_folders
+    subfolder, names, prefix = (text.replace(OUTSIDE, str(outside)) for text in (subfolder, names, prefix))
+    before = files_outside(top, output)
+    try:
+        summary = save_captions(output, ["a knight"] * count, subfolder, names, prefix, "", overwrite=True)
+    except ConfigError:
+        summary = ""
+    assert files_outside(top, output) == before
+    folder, *saved = summary.splitlines() or [""]
+    for line in saved:
+        assert (Path(folder) / line.removeprefix("saved: ")).resolve().is_relative_to(output.resolve())
 
 
 # ------------------------------------------------------------------------------------------------- repetition

@@ -8,7 +8,6 @@ from __future__ import annotations
 import io
 import struct
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -46,7 +45,7 @@ def pixels(img: Image.Image) -> np.ndarray:
 @pytest.fixture(scope="module")
 def processor():
     pil_module = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
-    # The real preprocessor_config.json values (spec 3.9); constructed offline, no hub access.
+    # The real preprocessor_config.json values; constructed offline, no hub access.
     return pil_module.Qwen2VLImageProcessorPil(
         size={"shortest_edge": 65536, "longest_edge": 16777216},
         patch_size=16,

@@ -1,8 +1,8 @@
-"""The node pack's logic that needs no ComfyUI: model folder listing and confinement, caption files, prompt
-ingredients, live text, Generate's engine call and speed line, and the bridge's behaviour outside ComfyUI."""
+"""The node pack's logic that needs no ComfyUI: model folder listing and confinement, prompt ingredients, live
+text, Generate's engine call and speed line, Image Encode's batch, and the bridge's behaviour outside ComfyUI
+(caption files: test_captions.py)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,16 +10,17 @@ import pytest
 import torch
 
 from a3b_core import EncodedImages, load_model
-from a3b_core.errors import ConfigError, PromptError
+from a3b_core.errors import ConfigError, ImageError, PromptError
 from a3b_core.generation import BUDGET_CLOSE
 from a3b_core.prompt import Turn
 from nodes import comfy_bridge
-from nodes.captions import caption_stems, caption_text, confined_folder, write_text_atomic
 from nodes.generation import generate_answers, speed_line
+from nodes.image_batch import encode_image_batch
 from nodes.live_text import LiveText
 from nodes.model_folders import DEMO_MODEL, list_model_folders, loader_choices, resolve_model
 from nodes.model_handle import PRESETS, preset_budget_bytes
 from nodes.prompt_spec import PromptSpec, build_prompts
+from tests.test_bad_inputs import FIX
 
 
 def _model(folder: Path) -> Path:
@@ -72,68 +73,36 @@ def test_resolve_model_names_the_searched_folders_when_missing(tmp_path: Path) -
         resolve_model("Qwen3.5-35B-A3B", [str(tmp_path)])
 
 
-# --- caption files -----------------------------------------------------------------------------------------------
+# --- image batches -----------------------------------------------------------------------------------------------
 
-def test_confined_folder_accepts_relative_subfolders(tmp_path: Path) -> None:
-    root = tmp_path.resolve()
-    assert confined_folder(str(tmp_path), "") == root
-    assert confined_folder(str(tmp_path), "captions/set 1") == root / "captions" / "set 1"
-    assert confined_folder(str(tmp_path), "captions\\win") == root / "captions" / "win"
+@pytest.fixture(scope="module")
+def demo(one_thread):
+    return load_model("a3b-demo", preset="cpu")
 
 
-@pytest.mark.parametrize("subfolder", ["..", "../x", "a/../../x", "/tmp/x", "C:\\x", "C:x", "a\\..\\..\\x"])
-def test_confined_folder_refuses_paths_out_of_the_output_folder(tmp_path: Path, subfolder: str) -> None:
-    with pytest.raises(ConfigError, match="must be a relative folder inside ComfyUI's output folder"):
-        confined_folder(str(tmp_path / "output"), subfolder)
+def test_an_image_batch_is_encoded_as_the_engine_encodes_it(demo) -> None:
+    batch = torch.rand(3, 64, 96, 3, generator=torch.Generator().manual_seed(0))
+    encoded = encode_image_batch(demo, batch, 64, "letterbox", True)
+    whole = demo.encode_images(batch, size=64, resize="letterbox")
+    assert encoded.grids == whole.grids and len(encoded) == 3
+    for one, reference in zip(encoded.embeds, whole.embeds):
+        torch.testing.assert_close(one, reference)
 
 
-def test_confined_folder_refuses_a_link_out_of_the_output_folder(tmp_path: Path) -> None:
-    output = tmp_path / "output"
-    output.mkdir()
-    (output / "escape").symlink_to(tmp_path, target_is_directory=True)
-    with pytest.raises(ConfigError, match="through a link"):
-        confined_folder(str(output), "escape/x")
+@pytest.mark.parametrize("image, what", [(torch.zeros(0, 64, 64, 3), "an empty batch"),
+                                         (torch.zeros(64, 64, 3), r"of shape \(64, 64, 3\)")])
+def test_an_empty_or_unbatched_image_input_is_refused(demo, image: torch.Tensor, what: str) -> None:
+    with pytest.raises(ImageError, match=f"'image' input is {what}") as info:
+        encode_image_batch(demo, image, 384, "stretch", True)
+    assert FIX.search(str(info.value))
 
 
-def test_caption_stems_follow_the_image_names_or_number_the_files() -> None:
-    assert caption_stems("knight.png\n  slime.webp \n\nsub/dir/tree.jpg\n", 3, "x") == ["knight", "slime", "tree"]
-    assert caption_stems("C:\\data\\potion.png", 1, "x") == ["potion"]
-    assert caption_stems("", 3, "shot") == ["shot_00001", "shot_00002", "shot_00003"]
-    assert caption_stems(" \n", 1, "  ") == ["caption_00001"]
-
-
-def test_caption_stems_refuse_mismatched_or_duplicate_names() -> None:
-    with pytest.raises(ConfigError, match="names lists 2 image names but there are 3 captions"):
-        caption_stems("a.png\nb.png", 3, "x")
-    with pytest.raises(ConfigError, match="same file stem more than once \\(a\\)"):
-        caption_stems("a.png\na.jpg", 2, "x")
-    with pytest.raises(ConfigError, match="no usable file name"):
-        caption_stems("..", 1, "x")
-
-
-def test_caption_text_puts_the_trigger_word_first() -> None:
-    assert caption_text("  a knight, blue armor \n", "") == "a knight, blue armor\n"
-    assert caption_text("a knight", " pxlart ") == "pxlart, a knight\n"
-    assert caption_text("", "pxlart") == "pxlart\n"
-
-
-def test_write_text_atomic_skips_or_overwrites_and_leaves_no_temp_files(tmp_path: Path) -> None:
-    target = tmp_path / "new" / "knight.txt"
-    assert write_text_atomic(target, "first\n", overwrite=False) is True
-    assert write_text_atomic(target, "second\n", overwrite=False) is False
-    assert target.read_text() == "first\n"
-    assert write_text_atomic(target, "third\n", overwrite=True) is True
-    assert target.read_text() == "third\n"
-    assert os.listdir(target.parent) == ["knight.txt"]
-
-
-def test_write_text_atomic_keeps_the_old_file_when_writing_fails(tmp_path: Path) -> None:
-    target = tmp_path / "knight.txt"
-    target.write_text("kept\n")
-    with pytest.raises(TypeError):
-        write_text_atomic(target, None, overwrite=True)  # type: ignore[arg-type]
-    assert target.read_text() == "kept\n"
-    assert os.listdir(tmp_path) == ["knight.txt"]
+def test_a_bad_image_is_named_by_its_place_in_the_whole_batch(demo) -> None:
+    batch = torch.rand(5, 32, 32, 3)
+    batch[1, 4, 4, 0] = float("nan")
+    with pytest.raises(ImageError, match="^Image 2 of 5: .*NaN") as info:
+        encode_image_batch(demo, batch, 64, "stretch", True)
+    assert FIX.search(str(info.value))
 
 
 # --- prompt ingredients ------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """Trains, exports and evaluates the embedded demo model "a3b-demo" on the seeded shape scenes of `dataset.py`.
 
     # the shipped checkpoint: 800 vision steps, then 1600 full steps on one cosine; the best validation step (1500)
-    # is exported. 2 threads on a quiet 2-core machine: 28 min (4.5 vision + 23.5 full); a second run wrote the
-    # same bytes
+    # is exported. 2 threads on a quiet 2-core machine: 28 min (4.5 vision + 23.5 full); a second run writes
+    # the same bytes
     python -m a3b_core.demo.train train
     # exact-match caption accuracy through the full engine pipeline, on held-out scenes of seed 999; shipped:
     # 96.7% on 300, 97.0% on 500 (BF16, fp32 compute and FP8 alike)
@@ -61,7 +61,7 @@ TEST_SEED = 999  # never seen in training or selection: the reported accuracy
 IGNORE = -100
 FP8_BLOCK = 128
 FP8_MAX = 448.0
-# The matrices the official FP8 release stores as e4m3 (spec 5); experts get bf16 scales, the others fp32.
+# The matrices the official FP8 release stores as e4m3; experts get bf16 scales, the others fp32.
 FP8_EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 FP8_OTHER = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
                        r"|shared_expert\.(gate|up|down)_proj)\.weight$")
@@ -75,7 +75,8 @@ PROBE_TARGET_NAMES = ("kind", "colour", "size", "pixel art")
 
 # --------------------------------------------------------------------------------------------------- config
 def demo_config(tokenizer: Tokenizer) -> dict:
-    """config.json in the official spellings. Patch 32 (12x12 patches at 384, 36 LM tokens) and rope_theta 1e4 make
+    """config.json in the official spellings, plus the request the model is trained to caption with
+    (a3b_caption_prompt, which the CLI uses). Patch 32 (12x12 patches at 384, 36 LM tokens) and rope_theta 1e4 make
     the model small and fast to train; the architecture is the release's. Two of the four layers attend fully
     (the release has one in four): copying each shape's attributes out of the image tokens is a retrieval job."""
     ids = {name: tokenizer.token_id(token) for name, token in (
@@ -98,7 +99,7 @@ def demo_config(tokenizer: Tokenizer) -> dict:
         temporal_patch_size=2, spatial_merge_size=2, in_channels=3, num_position_embeddings=144,
         out_hidden_size=128, hidden_act="gelu_pytorch_tanh", deepstack_visual_indexes=[])
     return dict(architectures=["Qwen3_5MoeForConditionalGeneration"], model_type="qwen3_5_moe", text_config=text,
-                vision_config=vision, tie_word_embeddings=False, **ids)
+                vision_config=vision, tie_word_embeddings=False, **ids, a3b_caption_prompt=dataset.CAPTION_PROMPT)
 
 
 # ----------------------------------------------------------------------------------------------------- init
@@ -320,7 +321,7 @@ def quantise_fp8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.
 
 
 def fp8_tensors(bf16: dict[str, torch.Tensor], inter: int) -> dict[str, torch.Tensor]:
-    """The official FP8 layout: per-expert e4m3 experts and the spec-5 matrices with block scales; the rest as in
+    """The official FP8 layout: per-expert e4m3 experts and the FP8_OTHER matrices with block scales; the rest as in
     the BF16 release."""
     out: dict[str, torch.Tensor] = {}
     for name, value in bf16.items():
@@ -350,12 +351,21 @@ FP8_QUANTIZATION_CONFIG = {
                                "model.language_model.norm"]}
 
 
+def fp8_config(config: dict) -> dict:
+    return {**config, "quantization_config": FP8_QUANTIZATION_CONFIG}
+
+
+def config_text(config: dict) -> str:
+    """config.json's text, as the shipped folders hold it."""
+    return json.dumps(config, indent=2) + "\n"
+
+
 def write_folder(folder: Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
     """Replaces `folder` with config.json, tokenizer.json and model.safetensors (written aside, then moved in)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     staging.chmod(0o755)
-    (staging / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (staging / "config.json").write_text(config_text(config))
     build_demo_tokenizer().save(str(staging / "tokenizer.json"))
     save_file(tensors, staging / "model.safetensors", metadata={"format": "pt"})
     shutil.rmtree(folder, ignore_errors=True)
@@ -367,7 +377,7 @@ def export(text: TextModel, vision: VisionTower, config: dict, bf16_dir: Path = 
     bf16 = release_tensors(text, vision)
     write_folder(bf16_dir, config, bf16)
     inter = config["text_config"]["moe_intermediate_size"]
-    write_folder(fp8_dir, {**config, "quantization_config": FP8_QUANTIZATION_CONFIG}, fp8_tensors(bf16, inter))
+    write_folder(fp8_dir, fp8_config(config), fp8_tensors(bf16, inter))
 
 
 # --------------------------------------------------------------------------------------------------- evaluate
