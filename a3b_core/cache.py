@@ -8,7 +8,7 @@ element is within scale / 2 = absmax / 254 of its exact value (round to nearest)
 compute dtype, each layer's cached prefix is converted into one shared scratch pair in the compute dtype just before
 its attention, so the int8 cache costs (head_dim + 4) / (head_dim * compute bytes) of the float cache, plus one
 layer's float keys and values. Logit error: on the test models, 32 cached decode steps with the int8 cache stay within
-INT8_LOGIT_TOLERANCE x the standard deviation of the fp32-cache logits (measured: 1.0%); real models have not been
+INT8_LOGIT_TOLERANCE x the standard deviation of the fp32-cache logits (1.0% on the test models); real models have not been
 measured.
 """
 from __future__ import annotations

@@ -17,10 +17,10 @@ FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 EXPERT_FORMATS = (*FLOAT_FORMATS, "fp8", "int8", "int4")
 FP8_BLOCK = 128
 # torch's int8 CPU kernel costs about one whole matrix-vector product per input row (27 us per row at 1024x1024 on
-# the project's CPU), so from this many rows on, dequantising to bf16 and one bf16 product is faster (2.2x at 128).
+# an AVX-512 EPYC), so from this many rows on, dequantising to bf16 and one bf16 product is faster (2.2x at 128).
 INT8_KERNEL_MAX_ROWS = 32
 # int8 matrices are stored as column chunks of this many inputs, one kernel call each: the kernel reads a [out, 512]
-# matrix faster per byte than a [out, 1024] one (on the project's CPU, +10-12% decode with int8 experts).
+# matrix faster per byte than a [out, 1024] one (+10-12% decode with int8 experts on an AVX-512 EPYC).
 INT8_K_CHUNK = 512
 
 

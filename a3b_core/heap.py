@@ -2,7 +2,7 @@
 
 torch allocates CPU tensors with malloc. By default glibc gives large freed blocks back to the kernel, so each layer
 of a long prefill maps, zeroes and faults in fresh pages for temporaries of the sizes the last layer just freed:
-measured on this project's CPU, a fifth or more of a 512-token bf16 prefill. While a generation runs, freed memory
+measured on an AVX-512 EPYC with 2 threads, a fifth or more of a 512-token bf16 prefill. While a generation runs, freed memory
 stays in the heap and is reused; when it ends, the free memory goes back to the kernel, so RSS between generations
 is what it was.
 """

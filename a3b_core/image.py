@@ -3,9 +3,9 @@
 `preprocess` is that path for one image and `preprocess_images` for a batch; the engine encodes every image through
 them, so their options (resize mode, ICC conversion, background) are the ones that act.
 
-The patch step reproduces the model's image processor bit for bit (spec section 3.9): smart_resize to multiples of
-32, PIL bicubic resize on uint8, x/255 in float64 then float32, (x - mean) / std, block-major patches with the single
-frame duplicated to temporal_patch_size.
+The patch step reproduces the model's image processor (Qwen2VLImageProcessor with the release's
+preprocessor_config.json) bit for bit: smart_resize to multiples of 32, PIL bicubic resize on uint8, x/255 in float64
+then float32, (x - mean) / std, block-major patches with the single frame duplicated to temporal_patch_size.
 """
 
 from __future__ import annotations

@@ -17,13 +17,17 @@ from .experts import FloatExperts, QuantizedExperts
 from .products import Linear
 
 GDN_CHUNK = 64
-# fp16 (GPUs without bf16) tops out at 65504: the residual stream is clamped below it after every layer, so one
-# outlier cannot become inf and then NaN in the next norm
-FP16_LIMIT = 65000.0
+FP16_LIMIT = 65000.0  # below fp16's largest value, 65504 (fp16 is the compute dtype of GPUs without bf16)
 # Scores a masked attention call may hold at once, and the bytes a kernel that materialises them needs per score
 # (measured: 13.8 for bf16 in torch's math kernel, scores and softmax together)
 ATTENTION_SCORES_BYTES = 128 << 20
 SCORE_BYTES = 16
+
+
+def within_fp16(x: torch.Tensor) -> torch.Tensor:
+    """The residual stream clamped below fp16's largest value, in fp16 only: one outlier must not become inf and
+    then NaN in the next norm."""
+    return x.clamp_(-FP16_LIMIT, FP16_LIMIT) if x.dtype == torch.float16 else x
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -385,9 +389,8 @@ class DecoderLayer(nn.Module):
             if token_mask is not None:  # padded tokens must not enter the recurrent state
                 h = h * token_mask[..., None].to(h.dtype)
             h = self.linear_attn(h, cache)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x.clamp_(-FP16_LIMIT, FP16_LIMIT) if x.dtype == torch.float16 else x
+        x = within_fp16(x + h)
+        return within_fp16(x + self.mlp(self.post_attention_layernorm(x)))
 
 
 class TextModel(nn.Module):

@@ -1,4 +1,4 @@
-"""M-RoPE position ids (temporal, height, width) for one prompt with images. Spec section 3.8.
+"""M-RoPE position ids (temporal, height, width) for one prompt with images.
 
 Text tokens (vision_start / vision_end included) advance one position on all three axes. An image's block of pad
 tokens, one per merged patch in row-major order, gets (cur + frame, cur + row, cur + col); after it the counter

@@ -43,7 +43,7 @@ class SamplingParams:
         return self.temperature == 0
 
 
-# Qwen3.5/3.6 model card, "general" rows (spec section 6), keyed by thinking mode.
+# The Qwen3.5/3.6 model card's recommended "general" settings, keyed by thinking mode.
 QWEN_RECOMMENDED = {
     True: SamplingParams(temperature=1.0, top_p=0.95, top_k=20, min_p=0.0, presence_penalty=1.5,
                          repetition_penalty=1.0),

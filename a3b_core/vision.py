@@ -1,7 +1,7 @@
 """The Qwen3.5 vision tower: patch embed + learned 2-D position table + axial-RoPE ViT blocks + 2x2 patch merger.
 
-Spec section 3.7. Parameter names equal the checkpoint's with the "model.visual." prefix removed, so a state dict
-loads without renaming. Every layer computes in the dtype of the tensor it is given (parameters are cast on use),
+Parameter names equal the checkpoint's with the "model.visual." prefix removed, so a state dict loads without
+renaming. Every layer computes in the dtype of the tensor it is given (parameters are cast on use),
 so weights may be stored in one dtype and run in another; norms and rotary math run in fp32.
 
 Patch order: the image processor emits the patches of each image block-major, (block_row, block_col, in_row,

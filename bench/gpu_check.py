@@ -1,10 +1,14 @@
-"""GPU check of the 8gb promise: a random checkpoint with the real Qwen3.5-35B-A3B shapes in the official FP8 layout,
-loaded with the 8gb preset under an 8 GiB per-process VRAM cap, then 64 generated tokens.
+"""GPU check of the VRAM plans: a random checkpoint with the real Qwen3.5-35B-A3B shapes in the official FP8 layout,
+loaded under each preset with torch's allocator capped at the preset less the CUDA context reserve, then an 8k-token
+prompt and 64 generated tokens.
 
-    python bench/gpu_check.py [--dir /tmp/a3b-35b-fp8] [--preset 8gb] [--tokens 64] [--small]
+    python bench/gpu_check.py [--dir /tmp/a3b-35b-fp8] [--presets 8gb,24gb] [--prompt-tokens 8192] [--tokens 64]
+                              [--small]
 
-Prints the plan, load time, peak VRAM, peak RSS and decode tokens/s. `--small` writes a tiny model of the same layout
-instead (seconds, runs on a CPU too) to check the script itself. Needs a CUDA GPU for the real check; ~35 GB of disk.
+Prints one table: per preset the plan's GPU total, the cap, peak VRAM while loading and while generating, time to
+first token, prefill and decode tokens/s, peak RSS; exits 1 if a peak passes its cap. `--small` writes a tiny model
+of the same layout instead (seconds, runs on a CPU too) to check the script itself. Needs a CUDA GPU for the real
+check and ~35 GB of disk. bench/gpu_checks.sh runs it after tests/test_offload.py.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from a3b_core import load_model  # noqa: E402
+from a3b_core.placement import CUDA_CONTEXT_BYTES, GiB, PRESETS  # noqa: E402
 
 REAL_TEXT = dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
                  num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
@@ -29,7 +34,7 @@ REAL_TEXT = dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_
                  eos_token_id=248044, rope_parameters={"rope_type": "default", "rope_theta": 1e7,
                                                        "partial_rotary_factor": 0.25, "mrope_section": [11, 11, 10],
                                                        "mrope_interleaved": True})
-SMALL_TEXT = {**REAL_TEXT, "vocab_size": 4096, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
+SMALL_TEXT = {**REAL_TEXT, "vocab_size": 4096, "eos_token_id": 4095, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4,
               "head_dim": 64, "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 64,
               "linear_value_head_dim": 64, "num_experts": 16, "num_experts_per_tok": 4,
               "moe_intermediate_size": 128, "shared_expert_intermediate_size": 128,
@@ -130,38 +135,67 @@ def write_checkpoint(folder: Path, cfg: dict) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
+def check_preset(folder: Path, cfg: dict, preset: str, weight_format: str, prompt_tokens: int, tokens: int) -> dict:
+    """One preset: load and generate under the cap; the row of the table."""
+    cuda = torch.cuda.is_available()
+    cap = PRESETS[preset].vram_gib * GiB - CUDA_CONTEXT_BYTES if preset in PRESETS else None
+    if cuda:
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total) if cap else 1.0)
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    model = load_model(folder, preset=preset if cuda else "cpu", weight_format=weight_format)
+    load_s = time.perf_counter() - started
+    load_peak = torch.cuda.max_memory_allocated() if cuda else 0
+    print(model.plan)
+    prompt = torch.randint(0, cfg["vocab_size"] - 1, (prompt_tokens,), generator=torch.Generator().manual_seed(1))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    result = model.generate(prompt, max_new_tokens=tokens, temperature=0)
+    run_peak = torch.cuda.max_memory_allocated() if cuda else 0
+    row = {"preset": preset, "plan GPU": model.plan.gpu_bytes, "cap": cap or 0, "load peak": load_peak,
+           "run peak": run_peak, "load s": load_s, "TTFT s": result.stats["ttft_s"],
+           "prefill tok/s": result.stats["prefill_tok_s"], "decode tok/s": result.stats["decode_tok_s"],
+           "peak RSS": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    model.release()
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    def cell(key: str, value) -> str:
+        if key in ("plan GPU", "cap", "load peak", "run peak", "peak RSS"):
+            return f"{value / GiB:.2f} GiB"
+        return f"{value:.2f}" if isinstance(value, float) else str(value)
+
+    print("| " + " | ".join(rows[0]) + " |")
+    print("|" + " --- |" * len(rows[0]))
+    for row in rows:
+        print("| " + " | ".join(cell(k, v) for k, v in row.items()) + " |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dir", type=Path, default=Path("/tmp/a3b-35b-fp8"))
-    parser.add_argument("--preset", default="8gb")
+    parser.add_argument("--presets", default="8gb,24gb", help="comma-separated presets to check")
     parser.add_argument("--weight-format", default="auto")
+    parser.add_argument("--prompt-tokens", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--small", action="store_true", help="a tiny model of the same layout (checks the script)")
     args = parser.parse_args()
     cfg = SMALL_TEXT if args.small else REAL_TEXT
     folder = args.dir.with_name(args.dir.name + "-small") if args.small else args.dir
+    if not torch.cuda.is_available() and not args.small:
+        sys.exit("no CUDA device: the real check needs a GPU (use --small to check the script on a CPU)")
     started = time.perf_counter()
     write_checkpoint(folder, cfg)
     print(f"checkpoint ready in {time.perf_counter() - started:.0f} s: {folder}")
-    if torch.cuda.is_available():
-        total = torch.cuda.get_device_properties(0).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, (8 << 30) / total))
-        torch.cuda.reset_peak_memory_stats()
-    elif not args.small:
-        sys.exit("no CUDA device: the real check needs a GPU (use --small to check the script on a CPU)")
-    started = time.perf_counter()
-    model = load_model(folder, preset=args.preset if torch.cuda.is_available() else "cpu",
-                       weight_format=args.weight_format)
-    load_s = time.perf_counter() - started
-    print(model.plan)
-    prompt = torch.randint(0, cfg["vocab_size"] - 1, (32,), generator=torch.Generator().manual_seed(1))
-    result = model.generate(prompt, max_new_tokens=args.tokens, temperature=0)
-    peak_vram = torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
-    peak_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(json.dumps({"preset": args.preset, "load_s": round(load_s, 1), "generated": len(result.token_ids),
-                      "decode_tok_s": round(result.stats["decode_tok_s"], 2), "ttft_s": round(result.stats["ttft_s"], 2),
-                      "peak_vram_gib": round(peak_vram / 2**30, 2), "peak_rss_gib": round(peak_rss / 2**30, 2),
-                      "plan_gpu_gib": round(model.plan.gpu_bytes / 2**30, 2)}))
+    rows = [check_preset(folder, cfg, preset, args.weight_format, args.prompt_tokens, args.tokens)
+            for preset in args.presets.split(",")]
+    print_table(rows)
+    over = [row["preset"] for row in rows if row["cap"] and max(row["load peak"], row["run peak"]) > row["cap"]]
+    if over:
+        sys.exit(f"VRAM over the cap in: {', '.join(over)}")
 
 
 if __name__ == "__main__":

@@ -18,14 +18,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from a3b_core import load_model
-from a3b_core.engine import DEMO_MODEL_DIR
+from a3b_core.engine import DEMO_MODELS
 from a3b_core.experts import FLOAT_FORMATS, Fp8Linear, QuantizedExperts, quantize_fp8
 from a3b_core.placement import CUDA_CONTEXT_BYTES, plan_for_folder
 from tests.fake_cuda import FakeCuda
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-DEMO_FP8_DIR = DEMO_MODEL_DIR.parent / "a3b-demo-fp8"
 HEART = Path(__file__).parent.parent / "workflows" / "inputs" / "a3b_pixel_heart.png"
 NOT_WEIGHTS = ("cuda_context", "workspace", "kv_cache", "deltanet_state")
 MiB = 1 << 20
@@ -67,7 +66,7 @@ def folders(fixtures, tmp_path_factory) -> dict[str, Path]:
     config = json.loads((tied / "config.json").read_text())
     config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
     (tied / "config.json").write_text(json.dumps(config))
-    return {"demo": DEMO_MODEL_DIR, "demo_fp8": DEMO_FP8_DIR, "tied": tied,
+    return {"demo": DEMO_MODELS["a3b-demo"], "demo_fp8": DEMO_MODELS["a3b-demo-fp8"], "tied": tied,
             **{name: getattr(fixtures, name) for name in ("moe_fused_bf16", "moe_fp8", "dense")}}
 
 

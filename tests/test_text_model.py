@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from a3b_core import load_model
-from a3b_core.model import SparseMoE
+from a3b_core.engine import resolve_compute_dtype
+from a3b_core import model as model_module
+from a3b_core.model import FP16_LIMIT, SparseMoE, rotary_cos_sin
 
 LAYOUTS = ["moe_hf", "moe_fused_bf16", "moe_fp8", "moe_text", "dense"]
 TOL = 1e-4
@@ -47,6 +49,29 @@ def test_cached_steps_equal_one_full_forward(models, fixtures, layout):
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=TOL, rtol=0)
 
 
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_a_prompt_prefilled_in_chunks_equals_one_forward(models, fixtures, chunk):
+    model = models["moe_fused_bf16"]
+    refs = fixtures.refs(fixtures.moe_fused_bf16)
+    ids = refs["text.input_ids"]
+    cache = model.new_cache(batch=2, max_len=ids.shape[1])
+    positions, _ = model.positions(ids, None)
+    last = model.prefill(ids, None, cache, None, positions, chunk=chunk)
+    torch.testing.assert_close(last, refs["text.logits"][:, -1], atol=TOL, rtol=0)
+
+
+def test_attention_in_query_blocks_equals_one_call(models, fixtures, monkeypatch):
+    """Masked attention goes in query blocks when their scores would pass ATTENTION_SCORES_BYTES: here one query
+    per block, left padding included."""
+    model = models["moe_fused_bf16"]
+    ids = fixtures.refs(fixtures.moe_fused_bf16)["text.input_ids"]
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    whole = model.logits(ids, attention_mask=mask)
+    monkeypatch.setattr(model_module, "ATTENTION_SCORES_BYTES", 1)
+    torch.testing.assert_close(model.logits(ids, attention_mask=mask), whole, atol=TOL, rtol=0)
+
+
 def test_batch_rows_are_independent(models, fixtures):
     model = models["moe_fused_bf16"]
     ids = fixtures.refs(fixtures.moe_fused_bf16)["text.input_ids"]
@@ -82,3 +107,28 @@ def test_load_time_and_weights_stay_mapped(fixtures):
     model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32")
     assert model.load_stats.seconds <= time.perf_counter() - started
     assert model.load_stats.tensors > 0
+
+
+def test_float16_compute_stays_close_and_finite(fixtures):
+    """fp16, the compute dtype of GPUs without bf16: close to fp32, and a layer whose output would pass fp16's
+    largest value (65504) is clamped below it instead of becoming inf."""
+    model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float16")
+    refs = fixtures.refs(fixtures.moe_fused_bf16)
+    assert (model.logits(refs["text.input_ids"]) - refs["text.logits"]).abs().mean() < 0.03
+    layer = model.text.layers[0]
+    x = torch.full((1, 4, model.config.text.hidden_size), 65000.0, dtype=torch.float16)
+    with torch.inference_mode():
+        layer.linear_attn.out_proj.weight.mul_(1e4)  # its output now adds ~1,000s to the residual stream
+        cos, sin = rotary_cos_sin(model.config.text, torch.zeros(3, 1, 4, dtype=torch.long))
+        out = layer(x, cos, sin, None, None, None)
+    assert torch.isfinite(out).all() and out.abs().max() <= FP16_LIMIT
+
+
+def test_auto_compute_dtype_is_bf16_where_native_and_fp16_on_older_gpus(monkeypatch):
+    assert resolve_compute_dtype("auto", torch.device("cpu")) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for capability, dtype in (((7, 5), torch.float16), ((6, 1), torch.float16), ((8, 0), torch.bfloat16),
+                              ((9, 0), torch.bfloat16)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        assert resolve_compute_dtype("auto", torch.device("cuda", 0)) == dtype
+    assert resolve_compute_dtype("float32", torch.device("cuda", 0)) == torch.float32
