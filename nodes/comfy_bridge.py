@@ -81,18 +81,23 @@ class Progress:
             self._bar.update_absolute(done, total)
 
 
-def compute_device() -> torch.device:
-    return model_management.get_torch_device() if IN_COMFYUI else torch.device("cpu")
+def engine_device() -> torch.device:
+    """The device the engine runs on: ComfyUI's own (so --cpu and --cuda-device hold) when it is a CUDA GPU, else the
+    CPU, since the engine runs on CUDA GPUs and CPUs only."""
+    return device_for_engine(model_management.get_torch_device() if IN_COMFYUI else torch.device("cpu"))
+
+
+def device_for_engine(comfy_device: torch.device) -> torch.device:
+    return comfy_device if comfy_device.type == "cuda" else torch.device("cpu")
 
 
 def device_bytes_in_use(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
 
 
-def free_device_memory(bytes_needed: int) -> None:
-    """Asks ComfyUI to unload other models until `bytes_needed` are free on the compute device."""
-    if IN_COMFYUI and bytes_needed > 0:
-        device = compute_device()
+def free_device_memory(bytes_needed: int, device: torch.device) -> None:
+    """Asks ComfyUI to unload other models until `bytes_needed` are free on `device` (a GPU; RAM is not managed)."""
+    if IN_COMFYUI and bytes_needed > 0 and device.type == "cuda":
         model_management.free_memory(bytes_needed, device)
         model_management.soft_empty_cache()
 
@@ -109,6 +114,8 @@ if IN_COMFYUI:
         """
 
         def __init__(self, owner_release: Callable[[], None], device: torch.device):
+            """`device` is where the model's weights are: its GPU, or the CPU for a model planned into RAM, which
+            ComfyUI then never unloads to free VRAM the model does not hold."""
             placeholder = torch.nn.Module()
             placeholder.device = device  # ComfyUI compares this with the load device to see what is resident
             super().__init__(placeholder, load_device=device, offload_device=torch.device("cpu"))

@@ -41,7 +41,7 @@ class A3BModelHandle:
         self.plan_table = ""
         self.plan_summary = ""
         self._model: Any = None
-        self._residency = bridge.Residency(self.release, bridge.compute_device()) if bridge.Residency else None
+        self._residency: Any = None  # made at the first load, on the device the model's weights are on
 
     @property
     def loaded(self) -> bool:
@@ -59,16 +59,19 @@ class A3BModelHandle:
         return self._model
 
     def _load(self, progress: Callable[[int, int], None] | None) -> None:
-        bridge.free_device_memory(preset_budget_bytes(self.preset))
-        device = bridge.compute_device()
+        device = bridge.engine_device()
+        if self.preset != "cpu":
+            bridge.free_device_memory(preset_budget_bytes(self.preset), device)
         before = bridge.device_bytes_in_use(device)
-        model = a3b_core.load_model(self.path, preset=self.preset, progress=progress, **self.load_options)
+        model = a3b_core.load_model(self.path, preset=self.preset, progress=progress, device=device,
+                                    **self.load_options)
         self._model = model
         self.plan_table = str(model.plan)
         self.plan_summary = model.plan.summary()
-        if self._residency is not None:
-            self._residency.mark_loaded(bridge.device_bytes_in_use(device) - before)
-        bridge.log.info("A3B model loaded from %s: %s", self.path, self.plan_summary)
+        if bridge.Residency is not None:
+            self._residency = self._residency or bridge.Residency(self.release, model.device)
+            self._residency.mark_loaded(bridge.device_bytes_in_use(model.device) - before)
+        bridge.log.info("A3B model loaded from %s on %s: %s", self.path, model.device, self.plan_summary)
 
     def release(self) -> None:
         """Frees the engine's weights and caches now; the next `acquire` loads the model again."""

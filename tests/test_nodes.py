@@ -246,11 +246,19 @@ def test_the_bridge_degrades_to_no_ops_outside_comfyui() -> None:
     assert comfy_bridge.processing_interrupted() is False
     comfy_bridge.raise_if_interrupted()
     comfy_bridge.send_text("1", "text")
-    comfy_bridge.free_device_memory(1 << 30)
+    comfy_bridge.free_device_memory(1 << 30, torch.device("cuda"))
     comfy_bridge.Progress(10).set(5)
+    assert comfy_bridge.engine_device() == torch.device("cpu")
     assert comfy_bridge.Residency is None
     with pytest.raises(RuntimeError, match="only known inside ComfyUI"):
         comfy_bridge.output_directory()
+
+
+@pytest.mark.parametrize("comfy_device, engine", [("cuda:1", "cuda:1"), ("cpu", "cpu"), ("mps", "cpu"),
+                                                  ("xpu:0", "cpu")])
+def test_the_engine_runs_on_comfyuis_device_when_it_is_a_cuda_gpu(comfy_device: str, engine: str) -> None:
+    """ComfyUI's --cpu and --cuda-device choices hold for the engine; devices it cannot run on mean the CPU."""
+    assert comfy_bridge.device_for_engine(torch.device(comfy_device)) == torch.device(engine)
 
 
 def test_preset_budgets() -> None:
