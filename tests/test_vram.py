@@ -115,19 +115,23 @@ def test_fp8_weights_and_the_cache_are_what_the_plan_counts(cut_35b, preset):
     check_weights_and_cache(model, fake)
 
 
-@pytest.mark.parametrize("preset", ["8gb", "24gb", "48gb"])
-def test_a_prefill_chunk_at_the_end_of_the_context_fits_the_workspace(cut_35b, preset):
+@pytest.mark.parametrize("preset, chunks", [("8gb", 2.5), ("48gb", 1)])
+def test_a_prompt_ending_at_the_full_context_prefills_within_the_workspace(cut_35b, preset, chunks):
+    """The 8gb case's prompt is longer than one chunk, so it is prefilled in chunks; the 48gb case's ends at the
+    longest context of all (262,144 tokens)."""
     model, fake = load_on_fake_gpu(cut_35b, "fp8", preset)
     plan = model.plan
     chunk = model.prefill_chunk(1)
     assert chunk >= 512
+    length = int(chunks * chunk)
     with fake:
         cache = model.new_cache(1, plan.max_context)
-        cache.length = start = plan.max_context - chunk
-        positions = torch.arange(start, start + chunk).view(1, 1, -1).expand(3, 1, -1).to("cuda")
+        cache.length = start = plan.max_context - length
+        positions = torch.arange(start, start + length).view(1, 1, -1).expand(3, 1, -1).to("cuda")
         before = fake.memory.live
         fake.memory.reset_peak()
-        model.prefill(torch.zeros(1, chunk, dtype=torch.long), None, cache, None, positions)
+        model.prefill(torch.zeros(1, length, dtype=torch.long), None, cache, None, positions)
+    assert cache.length == plan.max_context
     assert fake.memory.peak - before <= plan.workspace_bytes
 
 
