@@ -3,9 +3,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from a3b_core.engine import DEMO_MODELS
 from a3b_core.errors import ConfigError
 
-DEMO_MODEL = "a3b-demo"  # the small model embedded in a3b_core; load_model resolves the name itself
+DEMO_MODEL = "a3b-demo"  # the loader's default; the embedded demo models' names, which load_model resolves itself
 _MAX_DEPTH = 2  # models/LLM/<name> or models/LLM/<org>/<name>
 
 
@@ -25,13 +26,13 @@ def list_model_folders(roots: list[str]) -> list[str]:
 
 
 def loader_choices(roots: list[str]) -> list[str]:
-    return [DEMO_MODEL] + list_model_folders(roots)
+    return list(DEMO_MODELS) + list_model_folders(roots)
 
 
 def resolve_model(name: str, roots: list[str]) -> str:
     """The path (or the demo name) for a loader choice; never a path outside the registered LLM folders."""
-    if name == DEMO_MODEL:
-        return DEMO_MODEL
+    if name in DEMO_MODELS:
+        return name
     candidate = Path(name)
     if candidate.is_absolute() or ".." in candidate.parts or not name.strip():
         raise ConfigError(f"model {name!r} is not a folder name under models/LLM. Pick a model from the loader's "

@@ -22,7 +22,8 @@ class A3BModelLoader(io.ComfyNode):
             inputs=[
                 io.Combo.Input("model", options=loader_choices(bridge.llm_roots()), default=DEMO_MODEL,
                                tooltip="A model folder in ComfyUI/models/LLM (config.json, tokenizer.json and "
-                                       "*.safetensors, as released), or 'a3b-demo', the small built-in demo model."),
+                                       "*.safetensors, as released), or a small built-in demo model: 'a3b-demo' "
+                                       "(BF16) or 'a3b-demo-fp8' (the official FP8 layout)."),
                 io.Combo.Input("vram_preset", options=PRESETS, default="auto",
                                tooltip="GPU memory the model may use. 'auto' measures the free VRAM (other models "
                                        "are unloaded first); a size keeps within that budget, putting experts in "

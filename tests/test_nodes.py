@@ -39,7 +39,7 @@ def test_model_folders_are_listed_one_and_two_levels_deep(tmp_path: Path) -> Non
     (root / "loose.safetensors").write_bytes(b"")
     assert list_model_folders([str(root), str(tmp_path / "missing")]) == ["Qwen/Qwen3.6-35B-A3B-FP8",
                                                                          "Qwen3.5-35B-A3B"]
-    assert loader_choices([str(root)])[0] == DEMO_MODEL
+    assert loader_choices([str(root)])[:2] == [DEMO_MODEL, "a3b-demo-fp8"]
 
 
 def test_a_symlinked_model_folder_is_listed_and_resolved(tmp_path: Path) -> None:
@@ -56,7 +56,7 @@ def test_resolve_model_searches_every_root_and_passes_the_demo_name(tmp_path: Pa
     first.mkdir()
     _model(second / "m")
     assert resolve_model("m", [str(first), str(second)]) == str(second / "m")
-    assert resolve_model(DEMO_MODEL, []) == DEMO_MODEL
+    assert resolve_model(DEMO_MODEL, []) == DEMO_MODEL and resolve_model("a3b-demo-fp8", []) == "a3b-demo-fp8"
 
 
 @pytest.mark.parametrize("name", ["../outside", "/etc", "a/../../b", "", "  "])

@@ -51,7 +51,7 @@ def test_node_is_listed_with_its_inputs_outputs_and_tooltips(object_info: dict, 
 def test_loader_offers_the_demo_and_the_llm_folder_models(object_info: dict) -> None:
     inputs = _inputs(object_info["A3BModelLoader"])
     models = inputs["model"][1]["options"]
-    assert models[0] == "a3b-demo"
+    assert models[:2] == ["a3b-demo", "a3b-demo-fp8"]
     assert {TINY_MODEL, BROKEN_MODEL} <= set(models)
     assert inputs["vram_preset"][1]["options"] == ["auto", "8gb", "12gb", "16gb", "24gb", "48gb", "cpu"]
     assert inputs["vram_preset"][1]["default"] == "auto"
