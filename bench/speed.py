@@ -3,6 +3,7 @@
     nice -n 10 python bench/speed.py                 # everything (about an hour on 2 cores)
     python bench/speed.py --no-llama --no-transformers --quick
     python bench/speed.py --profile --ours bf16      # torch.profiler's top ops of our decode
+    python bench/speed.py --no-llama --no-transformers --ours bf16,bf16+int8 --baseline HEAD~3   # a change's cost
 
 All systems run the same random-weight checkpoint (bench_model.py: Qwen3.5-MoE text, 1.8 B parameters, 64 experts
 top-8) on the same thread count, each measurement in its own process (so peak RSS is that system's), in rounds that
@@ -89,21 +90,40 @@ def ours_spec(spec: str) -> tuple[str, str]:
     return COMPUTE_DTYPES[compute], experts or compute
 
 
-def ours_command(args, spec: str, mode: str, *options: str) -> list[str]:
+def ours_command(args, spec: str, mode: str, *options: str, tree: Path = HERE.parent) -> list[str]:
     dtype, experts = ours_spec(spec)
     model_dir = checkpoint_folder(args.small, fp8=experts == "fp8")
-    return worker(args.threads, mode, "--model", str(model_dir), "--dtype", dtype, "--format", experts, *options)
+    return worker(args.threads, mode, "--model", str(model_dir), "--dtype", dtype, "--format", experts, *options,
+                  tree=tree)
 
 
-def worker(threads: int, *args: str) -> list[str]:
-    return [sys.executable, str(HERE / "worker.py"), *args, "--threads", str(threads)]
+def worker(threads: int, *args: str, tree: Path = HERE.parent) -> list[str]:
+    return [sys.executable, str(tree / "bench" / "worker.py"), *args, "--threads", str(threads)]
+
+
+def engine_tree(revision: str) -> Path:
+    """The repository at `revision`, exported once into the bench cache, so its engine runs beside this one."""
+    sha = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--verify", f"{revision}^{{commit}}"],
+                         capture_output=True, text=True).stdout.strip()
+    if not sha:
+        raise SystemExit(f"--baseline {revision!r} is not a commit of this repository; give a commit or branch.")
+    tree = bench_dir() / "engines" / sha[:12]
+    if not (tree / "bench" / "worker.py").is_file():
+        tree.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "-C", str(HERE.parent), "archive", sha], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    return tree
 
 
 def build_systems(args, model_dir: Path) -> list[System]:
     sizes = ["--prefill", str(args.prefill), "--decode", str(args.decode)]
     systems = []
+    baselines = {revision: engine_tree(revision) for revision in args.baseline.split(",") if revision}
     for spec in args.ours.split(","):
         systems.append(System(f"ours {spec}", ours_command(args, spec, "ours", *sizes), worker_result))
+        for revision, tree in baselines.items():  # the same configuration, run by another commit's engine
+            systems.append(System(f"ours@{revision} {spec}", ours_command(args, spec, "ours", *sizes, tree=tree),
+                                  worker_result))
     if not args.no_transformers:
         for name in ("fp32", "bf16"):
             command = worker(args.threads, "transformers", "--model", str(model_dir), "--dtype",
@@ -213,6 +233,9 @@ def main() -> None:
     parser.add_argument("--no-image", action="store_true", help="skip the demo model's image TTFT")
     parser.add_argument("--ours", default=DEFAULT_OURS,
                         help=f"our configurations, COMPUTE[+EXPERTS] comma-separated (default {DEFAULT_OURS})")
+    parser.add_argument("--baseline", default="",
+                        help="commits (comma-separated) whose engine runs each --ours configuration too, in the same "
+                             "rounds, e.g. to compare a change with the commit before it")
     parser.add_argument("--llama-types", default="bf16,q8_0", help="GGUF types for llama.cpp (bf16, q8_0, q4_0, f32)")
     parser.add_argument("--llama-cpp", type=Path, default=os.environ.get("A3B_LLAMA_CPP"),
                         help="an already built llama.cpp tree (build/bin/llama-bench); default $A3B_LLAMA_CPP, else "
