@@ -33,11 +33,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Linear):
-    """The text model's bias-free Linear, its product through `linear`."""
+class CpuLinear(nn.Module):
+    """A bias-free Linear on the CPU, its product through `linear`; it holds the same weight under the same name as
+    the nn.Linear whose place it takes."""
 
-    def __init__(self, dim_in: int, dim_out: int):
-        super().__init__(dim_in, dim_out, bias=False)
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)
