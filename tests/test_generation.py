@@ -5,6 +5,7 @@ import torch
 
 from a3b_core import ChatPrompt, EncodedImages, GenerationError, PromptError, load_model
 from a3b_core.models.qwen3_5.cache import Cache
+from a3b_core.models.qwen3_5.sizes import deltanet_state_bytes, kv_bytes
 from a3b_core.generation import (BUDGET_CLOSE, SequenceOutput, generate, generate_batch,
                                  split_reasoning)
 from a3b_core.prompt import Prompt
@@ -158,11 +159,15 @@ def teacher_forced_logits(model, prompt: ChatPrompt, tokens: torch.Tensor, kv_dt
 
 
 def test_int8_generation_runs_and_reports_its_cache(model):
+    """The reported cache is the one the planner sizes: keys/values in the cache's format, plus the DeltaNet state."""
     prompt = model.build_prompt("Describe the image in one sentence.")
     plain = generate(model, prompt, max_new_tokens=8, temperature=0)
     int8 = generate(model, prompt, max_new_tokens=8, temperature=0, kv_dtype="int8")
     assert len(int8.token_ids) == 8
-    assert int8.stats["kv_cache_bytes"] != plain.stats["kv_cache_bytes"]
+    tokens = len(prompt.input_ids) + 8
+    for kv_dtype, result in (("fp32", plain), ("int8", int8)):
+        expected = kv_bytes(model.config, tokens, kv_dtype, "fp32") + deltanet_state_bytes(model.config)
+        assert result.stats["kv_cache_bytes"] == expected, kv_dtype
 
 
 # ------------------------------------------------------------------------------------ streaming and Stop
