@@ -1,5 +1,5 @@
 // A3B nodes: shows the Loader's placement plan, the Generate node's answer (live while it streams) with the run's
-// speed line under it, and what Save Captions wrote. The server sends the live text as ComfyUI "progress_text"
+// speed line under it, and what Save Captions and Caption Folder wrote. The server sends the live text as ComfyUI "progress_text"
 // messages, the plan as an "a3b.plan" message each time a node uses the model (a cached Loader sends nothing
 // itself), and the rest as the nodes' ui outputs (a3b_answer, a3b_speed, a3b_saved).
 import { app } from "../../../scripts/app.js";
@@ -97,7 +97,7 @@ app.registerExtension({
   },
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!["A3BGenerate", "A3BSaveCaptions"].includes(nodeData.name)) return;
+    if (!["A3BGenerate", "A3BSaveCaptions", "A3BCaptionFolder"].includes(nodeData.name)) return;
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
