@@ -73,10 +73,11 @@ function showLine(node, name, text) {
 function onLiveText(event) {
   const { nodeId, text } = event.detail ?? {};
   const node = app.graph?.getNodeById(nodeId);
-  if (node?.comfyClass !== "A3BGenerate") return;
+  const panel = { A3BGenerate: ["a3b_answer", 8], A3BCaptionFolder: ["a3b_saved", 4] }[node?.comfyClass];
+  if (!panel) return;
   // Run after every other listener, so a native text preview (if this frontend has one) exists by then.
   setTimeout(() => {
-    if (!node.widgets?.some((w) => w.name === NATIVE_TEXT_PREVIEW)) showText(node, "a3b_answer", text, 8);
+    if (!node.widgets?.some((w) => w.name === NATIVE_TEXT_PREVIEW)) showText(node, panel[0], text, panel[1]);
   }, 0);
 }
 
