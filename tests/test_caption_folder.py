@@ -138,7 +138,8 @@ def test_a_run_stopped_between_batches_resumes_to_the_same_captions(tmp_path, mo
     # the first batch only: 'knight one.png' and the unreadable 'sub/broken.png'
     assert steps[-1].stopped and list(captions_of(data)) == ["knight one.txt"]
     assert "stopped" in summary([o for s in steps for o in s.outcomes], stopped=True)
-    run_to_end(model, job(data))
+    resumed, _ = run_to_end(model, job(data))
+    assert [o.image.name for o in resumed if o.status == "skipped"] == ["knight one.png"]  # only the rest is captioned
     assert captions_of(data) == captions_of(whole)
 
 
