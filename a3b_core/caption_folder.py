@@ -364,18 +364,18 @@ def caption_folder(model: "A3BModel", job: FolderJob,
             prepared = ahead.result()
             ahead = pool.submit(_prepare, model, job, batches[number + 1]) if number + 1 < len(batches) else None
             if stop():
-                ahead = _cancelled(ahead)
+                _cancel(ahead)
                 yield _next(step, [], started, stopped=True)
                 return
             outcomes, stopped, tokens, seconds = _caption_batch(model, job, request, prepared, stop)
             step = _next(step, outcomes, started, stopped=stopped, tokens=tokens, generation_s=seconds)
             yield step
             if stopped:
-                ahead = _cancelled(ahead)
+                _cancel(ahead)
                 return
 
 
-def _cancelled(future: Future | None) -> None:
+def _cancel(future: Future | None) -> None:
     if future is not None:
         future.cancel()
 
