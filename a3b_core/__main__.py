@@ -1,4 +1,5 @@
-"""Command line: `python -m a3b_core caption IMAGE...`, `plan MODEL --preset 8gb [--json]`, `inspect MODEL`."""
+"""Command line: `python -m a3b_core caption IMAGE...`, `caption-folder DIR`, `plan MODEL --preset 8gb [--json]`,
+`inspect MODEL`."""
 from __future__ import annotations
 
 import argparse
@@ -8,14 +9,15 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
+from .caption_folder import (DEFAULT_CAPTION_PROMPT, EXISTING_POLICIES, PRESETS, FolderJob, Shaping, check_job, phrases,
+                             run_to_end, summary)
 from .checkpoint import Checkpoint
 from .engine import DEMO_MODEL_NAME, DEMO_MODELS, load_model, resolve_model_path
 from .errors import A3BError, ImageError
 from .models import family_for, load_config
-from .options import KV_FORMATS, PRESET_NAMES, RESIZE_MODES, WEIGHT_FORMATS
+from .options import KV_FORMATS, PRESET_NAMES, RESIZE_MODES, WEIGHT_FORMATS, GenerationOptions
 from .placement import GiB, format_bytes, plan_for_folder
 
-DEFAULT_CAPTION_PROMPT = "Describe the image in one sentence."
 MODEL_HELP = f"model folder (config.json + .safetensors), or an embedded demo model: {', '.join(DEMO_MODELS)}"
 
 
@@ -46,6 +48,30 @@ def cmd_caption(args: argparse.Namespace) -> int:
                                   thinking=args.thinking)
         result = model.generate(chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
         print(f"{path}: {result.text}")
+    return 0
+
+
+def cmd_caption_folder(args: argparse.Namespace) -> int:
+    shaping = Shaping(trigger=args.trigger, prefix=args.prefix, suffix=args.suffix, template=args.template,
+                      ban=tuple(p for text in args.ban for p in phrases(text)),
+                      require=tuple(p for text in args.require for p in phrases(text)), max_length=args.max_length)
+    job = FolderJob(Path(args.folder), output_dir=Path(args.output_dir) if args.output_dir else None,
+                    recursive=args.recursive, start=args.start, limit=args.limit, existing=args.existing,
+                    preset=args.preset, prompt=args.prompt, shaping=shaping, dry_run=args.dry_run,
+                    batch_size=args.batch_size, size=args.size, resize=args.resize,
+                    generation=GenerationOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                                 presence_penalty=0.0, seed=args.seed))
+    check_job(job)  # a wrong option costs no model load
+    model = load_model(args.model, preset=args.vram_preset)
+
+    def report(step) -> None:
+        for outcome in step.outcomes:
+            if outcome.status == "dry run":
+                print(f"{outcome.image}: {outcome.caption}")
+        print(step.line(), file=sys.stderr)
+
+    outcomes, stopped = run_to_end(model, job, on_step=report)
+    print(summary(outcomes, stopped), file=sys.stderr)
     return 0
 
 
@@ -89,6 +115,44 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default, reproducible)")
     caption.add_argument("--seed", type=int, default=0)
     caption.set_defaults(run=cmd_caption)
+
+    folder = commands.add_parser("caption-folder", help="write a caption .txt for every image in a folder (a LoRA "
+                                                        "dataset); a rerun skips the images already captioned")
+    folder.add_argument("folder", help="folder of images")
+    folder.add_argument("--model", default=DEMO_MODEL_NAME, help=MODEL_HELP + f" (default: {DEMO_MODEL_NAME})")
+    folder.add_argument("--recursive", action="store_true", help="also caption the images in subfolders")
+    folder.add_argument("--output-dir", default=None,
+                        help="write the captions here, in the image folder's layout (default: beside each image)")
+    folder.add_argument("--existing", default="skip", choices=EXISTING_POLICIES,
+                        help="an image that already has a caption file: skip it (default; a rerun carries on where "
+                             "a stopped run ended), overwrite it, or append / prepend the new caption")
+    folder.add_argument("--preset", default="natural", choices=list(PRESETS),
+                        help="natural: one descriptive sentence; tags: comma-separated tags")
+    folder.add_argument("--prompt", default=None, help="the request (default: the preset's; for natural, the model "
+                                                       f"folder's captioning request, else '{DEFAULT_CAPTION_PROMPT}')")
+    folder.add_argument("--trigger", default="", help="LoRA trigger word written first, followed by ', '")
+    folder.add_argument("--prefix", default="", help="text before each caption")
+    folder.add_argument("--suffix", default="", help="text after each caption")
+    folder.add_argument("--template", default="{caption}",
+                        help="the caption's text: {caption}, {name} (image file name without extension), {folder}")
+    folder.add_argument("--ban", action="append", default=[],
+                        help="phrases removed from every caption (comma-separated; may be repeated)")
+    folder.add_argument("--require", action="append", default=[],
+                        help="phrases every caption should hold; captions without them are reported")
+    folder.add_argument("--max-length", type=int, default=0,
+                        help="most characters of the model's caption, cut at a word or tag (0: no limit)")
+    folder.add_argument("--dry-run", type=int, default=0, metavar="N",
+                        help="print the first N captions and write nothing")
+    folder.add_argument("--start", type=int, default=0, help="index of the first image in sorted order")
+    folder.add_argument("--limit", type=int, default=0, help="caption at most this many images (0: all)")
+    folder.add_argument("--batch-size", type=int, default=8, help="images generated together")
+    folder.add_argument("--vram-preset", default="auto", choices=PRESET_NAMES)
+    folder.add_argument("--size", type=int, default=384, help="image side in pixels (multiple of 32)")
+    folder.add_argument("--resize", default="stretch", choices=RESIZE_MODES)
+    folder.add_argument("--max-new-tokens", type=int, default=160)
+    folder.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default, reproducible)")
+    folder.add_argument("--seed", type=int, default=0)
+    folder.set_defaults(run=cmd_caption_folder)
 
     plan = commands.add_parser("plan", help="show where each part of a model would live (reads headers only)")
     plan.add_argument("model", help=MODEL_HELP)

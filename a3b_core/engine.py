@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,22 +105,42 @@ class A3BModel:
 
         `srgb=False` ignores embedded ICC profiles (the pixels are taken as sRGB already); `background` is the colour
         transparent pixels are composited over. `progress(done, total)` is called after each image."""
+        self.require_vision()
+        vcfg = self.config.vision
+        items = image_pipeline.split_batch(images)
+        patches = image_pipeline.preprocess_images(
+            items, size=size, mode=resize, srgb=srgb, background=background, patch_size=vcfg.patch_size,
+            temporal_patch_size=vcfg.temporal_patch_size, merge_size=vcfg.spatial_merge_size)
+        return self.encode_patches(patches, len(items), progress)
+
+    def preprocess_image(self, image, size: int = 384, resize: str = "stretch",
+                         srgb: bool = True) -> tuple[torch.Tensor, tuple[int, int, int]]:
+        """One image -> (pixel patches, grid) for this model's vision tower, without running it: the part of
+        encode_images that needs no model, so callers may run it on another thread while the model works."""
+        vcfg = self.config.vision
+        return image_pipeline.preprocess(image, size, resize, srgb, image_pipeline.WHITE, vcfg.patch_size,
+                                         vcfg.temporal_patch_size, vcfg.spatial_merge_size)
+
+    @torch.inference_mode()
+    def encode_patches(self, patches: Iterable[tuple[torch.Tensor, tuple[int, int, int]]], total: int,
+                       progress: Progress | None = None) -> EncodedImages:
+        """Preprocessed images (preprocess_image's results) through the vision tower, one entry per image."""
+        vision = self.require_vision()
+        vision_device = vision.pos_embed.weight.device
+        embeds, grids = [], []
+        for pixels, grid in patches:
+            embeds.append(vision(pixels.to(vision_device, self.dtype), [grid]).cpu())
+            grids.append(grid)
+            if progress is not None:
+                progress(len(grids), total)
+        return EncodedImages(embeds, grids)
+
+    def require_vision(self) -> torch.nn.Module:
         self.require_loaded()
         if self.vision is None:
             raise ImageError(f"{self.folder}: this model has no vision tower (config.json has no vision_config or "
                              "the model.visual.* weights are missing); use a vision-language model for images.")
-        vcfg = self.config.vision
-        vision_device = self.vision.pos_embed.weight.device
-        items = image_pipeline.split_batch(images)
-        embeds, grids = [], []
-        for pixels, grid in image_pipeline.preprocess_images(
-                items, size=size, mode=resize, srgb=srgb, background=background, patch_size=vcfg.patch_size,
-                temporal_patch_size=vcfg.temporal_patch_size, merge_size=vcfg.spatial_merge_size):
-            embeds.append(self.vision(pixels.to(vision_device, self.dtype), [grid]).cpu())
-            grids.append(grid)
-            if progress is not None:
-                progress(len(grids), len(items))
-        return EncodedImages(embeds, grids)
+        return self.vision
 
     # ------------------------------------------------------------------------------------------- prompts
     def require_tokenizer(self) -> Tokenizer:

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from a3b_core.errors import ConfigError
+from a3b_core.textfiles import write_text_atomic
 
 NAME_MAX = 255  # bytes in one file name: the limit of ext4, XFS, btrfs, APFS and NTFS alike
 SUFFIX = ".txt"
@@ -34,21 +34,23 @@ def _refuse_control_characters(text: str, what: str) -> None:
                           "should hold no control characters. Remove it.")
 
 
-def confined_folder(output_root: str | Path, subfolder: str) -> Path:
-    """`output_root/subfolder`, refusing anything that could point outside the output folder."""
-    _refuse_control_characters(subfolder, "subfolder")
+def confined_folder(output_root: str | Path, subfolder: str, field: str = "subfolder",
+                    root_name: str = "ComfyUI's output folder") -> Path:
+    """`output_root/subfolder`, refusing anything that could point outside `output_root` (named `root_name` in
+    messages, which call the input `field`)."""
+    _refuse_control_characters(subfolder, field)
     text = subfolder.strip().replace("\\", "/")
     parts = PurePosixPath(text).parts
     if (PurePosixPath(text).is_absolute() or ".." in parts
             or any(PureWindowsPath(part).drive for part in parts)):  # "C:x" joined on Windows leaves the folder
-        raise ConfigError(f"subfolder {subfolder!r} must be a relative folder inside ComfyUI's output folder "
+        raise ConfigError(f"{field} {subfolder!r} must be a relative folder inside {root_name} "
                           f"({output_root}); absolute paths, drive letters and '..' are not allowed. Use a name "
-                          "like 'captions/my_dataset', or leave it empty for the output folder itself.")
+                          f"like 'captions/my_dataset', or leave it empty for {root_name} itself.")
     root = Path(output_root).resolve()
     folder = _resolved(root.joinpath(*parts))
-    if not folder.is_relative_to(root):  # a symlink inside the output folder pointing out of it
-        raise ConfigError(f"subfolder {subfolder!r} leads outside ComfyUI's output folder ({root}) through a link. "
-                          "Pick a subfolder that is a real folder inside the output folder.")
+    if not folder.is_relative_to(root):  # a symlink inside the root folder pointing out of it
+        raise ConfigError(f"{field} {subfolder!r} leads outside {root_name} ({root}) through a link. "
+                          f"Pick a folder that is a real folder inside {root_name}.")
     return folder
 
 
@@ -122,34 +124,3 @@ def caption_text(caption: str, trigger_word: str) -> str:
     if not trigger:
         return caption + "\n"
     return f"{trigger}, {caption}\n" if caption else trigger + "\n"
-
-
-def write_text_atomic(path: Path, text: str, overwrite: bool) -> bool:
-    """Writes `text` to `path` through a temporary file and os.replace; False when it exists and overwrite is off."""
-    try:
-        if path.exists() and not overwrite:
-            return False
-        path.parent.mkdir(parents=True, exist_ok=True)
-        handle, temp = _new_temp_file(path.parent)
-        try:
-            with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as file:
-                file.write(text)
-            os.replace(temp, path)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot be written ({exc.strerror or exc}). Check that the subfolder is a folder "
-                          "with free space that you can write to, or pick another subfolder.") from exc
-    return True
-
-
-def _new_temp_file(folder: Path) -> tuple[int, Path]:
-    """A new empty file in `folder`: a short name (any legal target name works beside it), and mode 0o666 less the
-    umask, like any file a program saves (tempfile.mkstemp would make it 0o600)."""
-    while True:
-        temp = folder / f".a3b-{secrets.token_hex(8)}.tmp"
-        try:
-            return os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666), temp
-        except FileExistsError:
-            continue

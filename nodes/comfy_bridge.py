@@ -47,6 +47,12 @@ def output_directory() -> str:
     return folder_paths.get_output_directory()
 
 
+def input_directory() -> str:
+    if not IN_COMFYUI:
+        raise RuntimeError("ComfyUI's input folder is only known inside ComfyUI")
+    return folder_paths.get_input_directory()
+
+
 def send_text(node_id: str | None, text: str) -> None:
     """Live text under the node in ComfyUI's frontend (the `progress_text` message)."""
     if IN_COMFYUI and node_id is not None and PromptServer.instance is not None:

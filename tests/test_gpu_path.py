@@ -26,7 +26,7 @@ from tests.fake_cuda import FakeCuda
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-HEART = Path(__file__).parent.parent / "workflows" / "inputs" / "a3b_pixel_heart.png"
+HEART = Path(__file__).parent.parent / "workflows" / "inputs" / "a3b_pixel_art" / "a3b_pixel_heart.png"
 NOT_WEIGHTS = ("cuda_context", "workspace", "kv_cache", "deltanet_state")
 MiB = 1 << 20
 

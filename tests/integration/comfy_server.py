@@ -163,17 +163,16 @@ def _progress_text(data: bytes) -> tuple[str | None, str]:
     return data[8:8 + length].decode(), data[8 + length:].decode()
 
 
-def prepare_base(base: Path, models: dict[str, Path], inputs: list[Path]) -> None:
-    """A ComfyUI base directory: this checkout as a custom node, model folders in models/LLM, workflow inputs."""
+def prepare_base(base: Path, models: dict[str, Path], inputs: Path) -> None:
+    """A ComfyUI base directory: this checkout as a custom node, model folders in models/LLM, the folder `inputs`
+    (with its subfolders) as ComfyUI's input folder."""
     (base / "custom_nodes").mkdir(parents=True)
     (base / "custom_nodes" / PACK_NAME).symlink_to(REPO, target_is_directory=True)
     llm = base / "models" / "LLM"
     llm.mkdir(parents=True)
     for name, folder in models.items():
         (llm / name).symlink_to(folder, target_is_directory=True)
-    (base / "input").mkdir()
-    for image in inputs:
-        shutil.copy(image, base / "input" / image.name)
+    shutil.copytree(inputs, base / "input")
     (base / "output").mkdir()
     (base / "user").mkdir()
 

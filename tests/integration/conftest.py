@@ -39,8 +39,7 @@ def comfy(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ComfyServer]:
         if (tiny_model_dir / name).is_file():
             shutil.copy(tiny_model_dir / name, broken / name)
     base = work / "base"
-    prepare_base(base, {TINY_MODEL: tiny_model_dir, BROKEN_MODEL: broken},
-                 sorted((WORKFLOWS / "inputs").glob("*.png")))
+    prepare_base(base, {TINY_MODEL: tiny_model_dir, BROKEN_MODEL: broken}, WORKFLOWS / "inputs")
     server = start_server(base)
     try:
         yield server

@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 
 from tests.integration.comfy_server import NODE_MODULES, REPO, comfyui_missing_reason, prepare_base, start_server
+from tests.integration.pixel_art_inputs import DATASET as PIXEL_ART_DATASET
 
 WORKFLOWS = REPO / "workflows"
 
@@ -58,7 +59,7 @@ def _batched(names: list[str], x: int, y: int) -> tuple[dict, list]:
     return nodes, links, previous
 
 
-def _captioning(names: list[str], system: str, user: str, size: int, captions: dict, sampling: dict | None = None) -> dict:
+def _captioning(names: list[str], system: str, user: str, size: int, captions: dict) -> dict:
     # Row 1: loader, prompt, generate, save. Row 2, below the tall Generate node: images, batching, encoding.
     image_nodes, image_links, batch = _batched(names, 40 + 250 * len(names), 820)
     x = 300 + 250 * len(names)
@@ -71,8 +72,7 @@ def _captioning(names: list[str], system: str, user: str, size: int, captions: d
             "prompt": {"type": "A3BPrompt", "pos": [410, 60], "size": [440, 320],
                        "widgets": {"system": system, "user": user, "thinking": False}},
             "generate": {"type": "A3BGenerate", "pos": [890, 60], "size": [380, 700], "widgets": {
-                "mode": "per image", "max_new_tokens": 160, "seed": 7, "control_after_generate": "fixed",
-                **(sampling or {})}},
+                "mode": "per image", "max_new_tokens": 160, "seed": 7, "control_after_generate": "fixed"}},
             "save": {"type": "A3BSaveCaptions", "pos": [1310, 60], "size": [330, 380],
                      "widgets": {"names": "\n".join(names), **captions}},
         },
@@ -92,17 +92,19 @@ MULTI_ANGLE_CAPTIONING = _captioning(
     captions={"subfolder": "a3b_captions/multi_angle", "if_exists": "overwrite"},
 )
 
-# The pixel-art scenes are drawn by the demo model's own data generator (tests/integration/pixel_art_inputs.py), and
-# the request is the one it was trained on, so the workflow gives the right captions with "a3b-demo".
-PIXEL_ART_LORA_CAPTIONING = _captioning(
-    ["a3b_pixel_heart.png", "a3b_pixel_star_circle.png", "a3b_pixel_triangle.png", "a3b_pixel_square.png"],
-    system="",
-    user="Describe the image.",
-    size=384,
-    captions={"subfolder": "a3b_captions/pixel_art", "trigger_word": "pxlart", "if_exists": "skip"},
-    # precise dataset captions: greedy, and no presence penalty (a caption repeats "a", "at the", ...)
-    sampling={"temperature": 0.0, "presence_penalty": 0.0},
-)
+# The pixel-art scenes are drawn by the demo model's own data generator (tests/integration/pixel_art_inputs.py) into
+# the dataset folder the workflow captions, so the workflow gives the right captions with "a3b-demo" (whose own
+# request is the natural preset's).
+PIXEL_ART_LORA_CAPTIONING = {
+    "nodes": {
+        "loader": _LOADER,
+        "caption": {"type": "A3BCaptionFolder", "pos": [410, 60], "size": [420, 1040], "widgets": {
+            "folder_root": "input", "folder": PIXEL_ART_DATASET, "output_subfolder": "a3b_captions/pixel_art",
+            "preset": "natural", "existing": "skip", "trigger_word": "pxlart", "batch_size": 4}},
+        "preview": {"type": "PreviewAny", "pos": [870, 60], "size": [520, 600]},
+    },
+    "links": [["loader", 0, "caption", "model"], ["caption", 1, "preview", "source"]],
+}
 
 SPECS = {"comic_storyboard": COMIC_STORYBOARD, "multi_angle_captioning": MULTI_ANGLE_CAPTIONING,
          "pixel_art_lora_captioning": PIXEL_ART_LORA_CAPTIONING}
@@ -114,7 +116,7 @@ def main() -> None:
         sys.exit(reason)
     with tempfile.TemporaryDirectory() as work:
         base = Path(work) / "base"
-        prepare_base(base, {}, sorted((WORKFLOWS / "inputs").glob("*.png")))
+        prepare_base(base, {}, WORKFLOWS / "inputs")
         specs = Path(work) / "specs.json"
         specs.write_text(json.dumps(SPECS))
         server = start_server(base)

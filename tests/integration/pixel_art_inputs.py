@@ -1,5 +1,6 @@
 """The pixel-art pictures of the LoRA captioning workflow: scenes of the demo model's own generator, so the shipped
-workflow has known right answers. `python -m tests.integration.pixel_art_inputs` redraws workflows/inputs/."""
+workflow has known right answers. They lie in the folder the workflow captions, workflows/inputs/a3b_pixel_art (copied
+into ComfyUI's input folder); `python -m tests.integration.pixel_art_inputs` redraws them."""
 from __future__ import annotations
 
 import random
@@ -7,7 +8,8 @@ from pathlib import Path
 
 from a3b_core.demo.dataset import Scene, Shape, describe, draw
 
-INPUTS = Path(__file__).resolve().parents[2] / "workflows" / "inputs"
+DATASET = "a3b_pixel_art"  # the folder inside ComfyUI's input folder
+INPUTS = Path(__file__).resolve().parents[2] / "workflows" / "inputs" / DATASET
 SCENES = {
     "a3b_pixel_heart.png": Scene((Shape("heart", "red", "centre", "large"),), "white", True),
     "a3b_pixel_star_circle.png": Scene((Shape("star", "yellow", "top left", "small"),

@@ -91,7 +91,8 @@ SPEED_LINE = re.compile(r"TTFT \d+\.\d\d s · prefill \d+ tok/s · (decode \d+\.
 
 def test_ui_workflows_run_and_stream_onto_the_generate_node(comfy: ComfyServer, tmp_path: Path) -> None:
     report = run_frontend(comfy, tmp_path, "run", {"A3BModelLoader": {"model": TINY_MODEL},
-                                                   "A3BGenerate": {"max_new_tokens": TEST_MAX_NEW_TOKENS}})
+                                                   "A3BGenerate": {"max_new_tokens": TEST_MAX_NEW_TOKENS},
+                                                   "A3BCaptionFolder": {"max_new_tokens": TEST_MAX_NEW_TOKENS}})
     for entry in report["workflows"]:
         name, history = entry["name"], entry.get("history")
         assert history is not None, f"{name} was not queued: {entry.get('queueError')}"
@@ -102,6 +103,9 @@ def test_ui_workflows_run_and_stream_onto_the_generate_node(comfy: ComfyServer, 
             assert node["liveTexts"], f"{name}: no live text reached the page for node {node['id']}"
             assert node["shownText"] == "\n\n".join(answers), name
             _check_speed_line(node, history, len(answers))
+        for node_id, node in entry["apiPrompt"].items():
+            if node["class_type"] == "A3BCaptionFolder":  # the pixel-art workflow captions its dataset folder
+                assert history["outputs"][node_id]["a3b_saved"] in (["4 written"], ["4 skipped"]), name
         assert all(plan for plan in entry["planShown"]), name
         assert Path(entry["screenshot"]).stat().st_size > 10_000
 

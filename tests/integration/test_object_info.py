@@ -1,4 +1,4 @@
-"""The pack as ComfyUI's /object_info describes it: five nodes, their inputs, defaults and tooltips."""
+"""The pack as ComfyUI's /object_info describes it: six nodes, their inputs, defaults and tooltips."""
 from __future__ import annotations
 
 import pytest
@@ -21,6 +21,11 @@ EXPECTED = {
                     ["STRING", "STRING"]),
     "A3BSaveCaptions": ("A3B Save Captions", ["captions", "subfolder", "names", "filename_prefix", "trigger_word",
                                               "if_exists"], []),
+    "A3BCaptionFolder": ("A3B Caption Folder", ["model", "folder_root", "folder", "recursive", "output_subfolder",
+                                                "preset", "prompt", "existing", "trigger_word", "prefix", "suffix",
+                                                "template", "banned", "required", "max_length", "dry_run", "start",
+                                                "limit", "batch_size", "size", "max_new_tokens", "temperature",
+                                                "seed"], ["STRING", "STRING", "STRING"]),
 }
 
 

@@ -11,7 +11,7 @@ from tests.integration.pixel_art_inputs import expected_captions
 
 pytestmark = pytest.mark.comfyui
 
-WORKFLOW_NAMES = ["comic_storyboard", "multi_angle_captioning", "pixel_art_lora_captioning"]
+GENERATE_WORKFLOWS = ["comic_storyboard", "multi_angle_captioning"]
 
 
 def _nodes(graph: dict, class_type: str) -> list[str]:
@@ -29,7 +29,7 @@ def _succeeded(comfy: ComfyServer, entry: dict) -> None:
     assert entry["status"]["status_str"] == "success", f"{error_message(entry)}\n{comfy.log_tail()}"
 
 
-@pytest.mark.parametrize("name", WORKFLOW_NAMES)
+@pytest.mark.parametrize("name", GENERATE_WORKFLOWS)
 def test_api_workflow_runs_to_non_empty_answers(comfy: ComfyServer, name: str) -> None:
     graph = _set_inputs(load_api_workflow(name), "A3BGenerate", max_new_tokens=TEST_MAX_NEW_TOKENS)
     entry = comfy.run(graph)
@@ -60,14 +60,40 @@ def test_an_api_graph_saved_without_the_thinking_budget_still_runs(comfy: ComfyS
     assert entry["outputs"][generate]["a3b_answer"][0].strip()
 
 
-def test_pixel_art_workflow_as_shipped_runs_on_the_demo_model(comfy: ComfyServer) -> None:
+def test_pixel_art_workflow_as_shipped_captions_its_folder_on_the_demo_model(comfy: ComfyServer) -> None:
     graph = load_api_workflow("pixel_art_lora_captioning", model="a3b-demo")  # the shipped default
-    graph = _set_inputs(graph, "A3BSaveCaptions", subfolder="a3b_captions/pixel_art_demo")
+    graph = _set_inputs(graph, "A3BCaptionFolder", output_subfolder="a3b_captions/pixel_art_demo")
     entry = comfy.run(graph)
     _succeeded(comfy, entry)
     folder = comfy.output_dir / "a3b_captions" / "pixel_art_demo"
-    for name, caption in expected_captions().items():
-        assert (folder / name.replace(".png", ".txt")).read_text() == f"pxlart, {caption}\n"
+    expected = {name.replace(".png", ".txt"): f"pxlart, {caption}\n" for name, caption in expected_captions().items()}
+    assert {path.name: path.read_text() for path in folder.iterdir()} == expected
+    (preview,) = _nodes(graph, "PreviewAny")  # the caption output list, one caption per image in sorted order
+    assert entry["outputs"][preview]["text"] == [expected[name].strip() for name in sorted(expected)]
+    (caption,) = _nodes(graph, "A3BCaptionFolder")
+    assert entry["outputs"][caption]["a3b_saved"] == ["4 written"]
+
+
+def test_the_folder_node_skips_captioned_images_on_a_rerun(comfy: ComfyServer) -> None:
+    graph = _set_inputs(load_api_workflow("pixel_art_lora_captioning"), "A3BCaptionFolder",
+                        output_subfolder="a3b_captions/pixel_art_rerun", max_new_tokens=TEST_MAX_NEW_TOKENS)
+    (caption,) = _nodes(graph, "A3BCaptionFolder")
+    _succeeded(comfy, first := comfy.run(graph))
+    assert first["outputs"][caption]["a3b_saved"] == ["4 written"]
+    files = {path: path.read_text() for path in (comfy.output_dir / "a3b_captions" / "pixel_art_rerun").iterdir()}
+    second = comfy.run(_set_inputs(graph, "A3BCaptionFolder", seed=1))  # another input: not served from the cache
+    _succeeded(comfy, second)
+    assert second["outputs"][caption]["a3b_saved"] == ["4 skipped"]
+    assert {path: path.read_text() for path in files} == files
+
+
+@pytest.mark.parametrize("folder", ["..", "/etc"])
+def test_the_folder_node_refuses_a_folder_outside_comfyuis_folders(comfy: ComfyServer, folder: str) -> None:
+    graph = _set_inputs(load_api_workflow("pixel_art_lora_captioning"), "A3BCaptionFolder", folder=folder)
+    entry = comfy.run(graph)
+    assert entry["status"]["status_str"] == "error"
+    message = error_message(entry)
+    assert message.startswith("a3b_core.errors.ConfigError: folder ") and "ComfyUI's input folder" in message
 
 
 def test_the_answer_streams_onto_the_generate_node(comfy: ComfyServer) -> None:

@@ -1,5 +1,5 @@
 // A3B nodes: shows the Loader's placement plan, the Generate node's answer (live while it streams) with the run's
-// speed line under it, and what Save Captions wrote. The server sends the live text as ComfyUI "progress_text"
+// speed line under it, and what Save Captions and Caption Folder wrote. The server sends the live text as ComfyUI "progress_text"
 // messages, the plan as an "a3b.plan" message each time a node uses the model (a cached Loader sends nothing
 // itself), and the rest as the nodes' ui outputs (a3b_answer, a3b_speed, a3b_saved).
 import { app } from "../../../scripts/app.js";
@@ -73,10 +73,11 @@ function showLine(node, name, text) {
 function onLiveText(event) {
   const { nodeId, text } = event.detail ?? {};
   const node = app.graph?.getNodeById(nodeId);
-  if (node?.comfyClass !== "A3BGenerate") return;
+  const panel = { A3BGenerate: ["a3b_answer", 8], A3BCaptionFolder: ["a3b_saved", 4] }[node?.comfyClass];
+  if (!panel) return;
   // Run after every other listener, so a native text preview (if this frontend has one) exists by then.
   setTimeout(() => {
-    if (!node.widgets?.some((w) => w.name === NATIVE_TEXT_PREVIEW)) showText(node, "a3b_answer", text, 8);
+    if (!node.widgets?.some((w) => w.name === NATIVE_TEXT_PREVIEW)) showText(node, panel[0], text, panel[1]);
   }, 0);
 }
 
@@ -97,7 +98,7 @@ app.registerExtension({
   },
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!["A3BGenerate", "A3BSaveCaptions"].includes(nodeData.name)) return;
+    if (!["A3BGenerate", "A3BSaveCaptions", "A3BCaptionFolder"].includes(nodeData.name)) return;
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);

@@ -1,0 +1,480 @@
+"""Captioning a folder of images for a training dataset: one .txt per image, beside it or in a mirror folder.
+
+Images are listed (sorted, optionally recursive), then captioned a batch at a time: while the model generates one
+batch, the next batch's files are decoded and resized on a worker thread, so only two batches of pixels are ever in
+memory. Each batch is one engine call (its prompts are decoded together). A caption file is written atomically and
+only once its caption is complete, so a file that exists is finished: with `existing="skip"` a rerun, after a Stop,
+a crash or a power cut, carries on with the images that have none.
+
+`caption_folder` is an iterator of FolderProgress steps, so a caller can show progress and stop between batches;
+`should_stop` also ends a batch within one token (its unfinished captions are not written).
+"""
+from __future__ import annotations
+
+import os
+import re
+import string
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from .errors import ConfigError, ImageError
+from .options import RESIZE_MODES, GenerationOptions
+from .textfiles import write_text_atomic
+
+if TYPE_CHECKING:
+    from .engine import A3BModel
+
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+EXISTING_POLICIES = ("skip", "overwrite", "append", "prepend")
+DEFAULT_CAPTION_PROMPT = "Describe the image in one sentence."
+TAGS_PROMPT = ("List what the image shows as comma-separated tags (subject, colours, style, composition, setting), "
+               "most important first. Tags only.")
+TEMPLATE_FIELDS = ("name", "folder", "caption")
+CAPTION_SUFFIX = ".txt"
+# Dataset captions: greedy (reproducible), and no presence penalty (a caption legitimately repeats "a", "of", ...).
+DEFAULT_GENERATION = GenerationOptions(max_new_tokens=160, temperature=0.0, presence_penalty=0.0)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A caption style: the request (None: the model folder's own captioning request) and how pieces are joined."""
+    prompt: str | None
+    tags: bool  # comma-separated tags: pieces joined with ", ", tags cleaned and deduplicated
+
+    @property
+    def separator(self) -> str:
+        return ", " if self.tags else " "
+
+
+PRESETS = {"natural": Preset(None, tags=False), "tags": Preset(TAGS_PROMPT, tags=True)}
+
+
+@dataclass(frozen=True)
+class Shaping:
+    """What is done to each caption the model writes, in this order: banned phrases removed, cut to `max_length`
+    characters (at a word or tag boundary; 0: no limit), put into `template` ({name}: the image's file name without
+    extension, {folder}: its folder's name, {caption}), `prefix` before and `suffix` after, the trigger word first.
+    Captions that lack a `require`d phrase are still written, and reported."""
+    trigger: str = ""
+    prefix: str = ""
+    suffix: str = ""
+    template: str = "{caption}"
+    ban: tuple[str, ...] = ()
+    require: tuple[str, ...] = ()
+    max_length: int = 0
+
+
+@dataclass(frozen=True)
+class FolderJob:
+    folder: Path
+    output_dir: Path | None = None  # None: each caption beside its image; else the folder's layout mirrored here
+    recursive: bool = False
+    extensions: tuple[str, ...] = IMAGE_EXTENSIONS
+    start: int = 0  # index into the sorted list of images
+    limit: int = 0  # 0: every image from `start`
+    existing: str = "skip"  # what to do where an image already has a caption file: EXISTING_POLICIES
+    preset: str = "natural"
+    prompt: str | None = None  # None: the preset's request
+    shaping: Shaping = Shaping()
+    dry_run: int = 0  # > 0: caption only the first N images that need one, and write nothing
+    batch_size: int = 8
+    size: int = 384
+    resize: str = "stretch"
+    generation: GenerationOptions = DEFAULT_GENERATION
+
+
+@dataclass(frozen=True)
+class ImageOutcome:
+    image: Path
+    caption_file: Path
+    status: str  # "written" | "skipped" (a caption file exists) | "dry run" | "unreadable" | "refused"
+    caption: str = ""  # the file's new text ("" when nothing was captioned)
+    detail: str = ""  # why an image was unreadable or refused
+    missing: tuple[str, ...] = ()  # required phrases the caption lacks
+
+
+@dataclass
+class FolderProgress:
+    """One step of a run: the outcomes it added, and the totals so far."""
+    total: int  # images listed
+    done: int  # images handled so far, whatever their outcome
+    outcomes: list[ImageOutcome]
+    captioned: int = 0  # images the model captioned so far
+    new_tokens: int = 0
+    generation_s: float = 0.0  # time spent in the model so far
+    seconds: float = 0.0  # since the run started
+    to_caption: int = 0  # images the run will caption in all
+    stopped: bool = False
+
+    @property
+    def eta_s(self) -> float | None:
+        if not self.captioned:
+            return None
+        return (self.to_caption - self.captioned) * self.seconds / self.captioned
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.generation_s if self.generation_s > 0 else 0.0
+
+    def line(self) -> str:
+        """e.g. "40/1200 images · 12.5 img/min · ETA 1h 32m · 41.2 tok/s"."""
+        parts = [f"{self.done}/{self.total} images"]
+        if self.captioned and self.seconds > 0:
+            parts.append(f"{60 * self.captioned / self.seconds:.1f} img/min")
+        if self.eta_s is not None:
+            parts.append(f"ETA {_duration(self.eta_s)}")
+        if self.new_tokens:
+            parts.append(f"{self.tokens_per_s:.1f} tok/s")
+        if self.stopped:
+            parts.append("stopped")
+        return " · ".join(parts)
+
+
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h {minutes:02d}m" if hours else f"{minutes}m {secs:02d}s" if minutes else f"{secs}s"
+
+
+# ------------------------------------------------------------------------------------------------- checks
+def check_job(job: FolderJob) -> None:
+    """Every choice of `job` checked before any work, each refusal naming the option and the fix."""
+    if not job.folder.is_dir():
+        raise ConfigError(f"{job.folder}: no such folder of images. Check the path and pick the folder that holds "
+                          "the images.")
+    if job.existing not in EXISTING_POLICIES:
+        raise ConfigError(f"existing is {job.existing!r}; use one of {', '.join(EXISTING_POLICIES)}.")
+    if job.preset not in PRESETS:
+        raise ConfigError(f"preset is {job.preset!r}; use one of {', '.join(PRESETS)}.")
+    if job.resize not in RESIZE_MODES:
+        raise ConfigError(f"resize is {job.resize!r}; use one of {', '.join(RESIZE_MODES)}.")
+    for name in ("start", "limit", "dry_run"):
+        value = getattr(job, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"{name} is {value!r}; use a whole number of images, 0 or more.")
+    if isinstance(job.batch_size, bool) or not isinstance(job.batch_size, int) or job.batch_size < 1:
+        raise ConfigError(f"batch_size is {job.batch_size!r}; use a whole number of images, 1 or more.")
+    if not job.extensions or not all(ext.startswith(".") for ext in job.extensions):
+        raise ConfigError(f"extensions are {job.extensions!r}; give file extensions with their dot, such as .png.")
+    check_shaping(job.shaping)
+
+
+def check_shaping(shaping: Shaping) -> None:
+    try:
+        fields = [name for _, name, _, _ in string.Formatter().parse(shaping.template) if name is not None]
+    except ValueError as exc:
+        raise ConfigError(f"template {shaping.template!r} is not a valid template ({exc}); write fields as "
+                          "{name}, {folder} and {caption}, and a literal brace as {{ or }}.") from None
+    unknown = [name for name in fields if name not in TEMPLATE_FIELDS]
+    if unknown:
+        raise ConfigError(f"template {shaping.template!r} names the field {{{unknown[0]}}}; use only "
+                          f"{', '.join('{' + f + '}' for f in TEMPLATE_FIELDS)}.")
+    if "caption" not in fields:
+        raise ConfigError(f"template {shaping.template!r} has no {{caption}}, so the model's caption would be "
+                          "dropped. Put {caption} where the caption goes.")
+    if isinstance(shaping.max_length, bool) or not isinstance(shaping.max_length, int) or shaping.max_length < 0:
+        raise ConfigError(f"max_length is {shaping.max_length!r}; use a whole number of characters (0: no limit).")
+
+
+# ------------------------------------------------------------------------------------------------ listing
+def list_images(job: FolderJob) -> tuple[list[Path], list[ImageOutcome]]:
+    """The job's images, sorted by their path inside the folder, from `start`, at most `limit`; and the image files
+    refused because they are links that lead out of the folder."""
+    root = job.folder.resolve()
+    extensions = {ext.lower() for ext in job.extensions}
+    found: list[Path] = []
+    refused: list[ImageOutcome] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):  # linked folders are not entered
+        if not job.recursive:
+            dirnames.clear()
+        for name in filenames:
+            path = Path(dirpath) / name
+            if path.suffix.lower() not in extensions:
+                continue
+            target = path.resolve()
+            if not target.is_relative_to(root):
+                refused.append(ImageOutcome(path, caption_path(job, root, path), "refused",
+                                            detail=f"a link to {target}, outside the folder"))
+                continue
+            found.append(path)
+    found.sort(key=lambda path: path.relative_to(root).as_posix())
+    end = job.start + job.limit if job.limit else None
+    return found[job.start:end], refused
+
+
+def caption_path(job: FolderJob, root: Path, image: Path) -> Path:
+    """Where an image's caption goes: beside it, or at the same place under the output folder."""
+    relative = image.relative_to(root).with_suffix(CAPTION_SUFFIX)
+    return (job.output_dir if job.output_dir is not None else root) / relative
+
+
+def _check_unique_caption_files(pairs: Sequence[tuple[Path, Path]]) -> None:
+    seen: dict[Path, Path] = {}
+    for image, caption in pairs:
+        if caption in seen:
+            raise ConfigError(f"{seen[caption].name} and {image.name} in {image.parent} would both be captioned in "
+                              f"{caption.name}. Rename one of them (a trainer pairs an image with the .txt of its "
+                              "name), or move it to another folder.")
+        seen[caption] = image
+
+
+def _refusal(caption: Path, write_root: Path) -> str:
+    """Why a caption file cannot be written there ('' when it can): it must stay inside the folder written to."""
+    target = caption.resolve()
+    if not target.is_relative_to(write_root):
+        return f"its caption file {caption} is a link to {target}, outside {write_root}"
+    if target.is_dir():
+        return f"its caption file {caption} is a folder"
+    return ""
+
+
+# ------------------------------------------------------------------------------------------------ shaping
+def _phrase_pattern(phrase: str) -> re.Pattern:
+    """A phrase as a whole word or words, any case."""
+    return re.compile(rf"(?<!\w){re.escape(phrase.strip())}(?!\w)", re.IGNORECASE)
+
+
+def _tidy(text: str, tags: bool) -> str:
+    """Whitespace and separators left clean after phrases were removed; tags stripped and deduplicated."""
+    if tags:
+        kept: list[str] = []
+        for tag in (" ".join(part.split()) for part in text.split(",")):
+            tag = tag.strip(" .;:")
+            if tag and tag.lower() not in (k.lower() for k in kept):
+                kept.append(tag)
+        return ", ".join(kept)
+    text = " ".join(text.split())
+    text = re.sub(r"\s+([,.;:!?])", r"\1", text)
+    text = re.sub(r"([,;:])(?:\s*[,;:])+", r"\1", text)
+    return text.strip(" ,;:")
+
+
+def _cut(text: str, max_length: int, tags: bool) -> str:
+    """`text` in at most `max_length` characters, cut after the last whole tag or word that fits."""
+    if not max_length or len(text) <= max_length:
+        return text
+    boundary = ", " if tags else " "
+    head = text[:max_length + len(boundary)]
+    at = head.rfind(boundary, 0, max_length + 1)
+    return (text[:at] if at > 0 else text[:max_length]).rstrip(" ,;:")
+
+
+def shape_caption(caption: str, shaping: Shaping, tags: bool, name: str, folder: str) -> str:
+    """The text for a new caption file (see Shaping), without the final newline."""
+    body = caption
+    for phrase in shaping.ban:
+        if phrase.strip():
+            body = _phrase_pattern(phrase).sub(" ", body)
+    body = _cut(_tidy(body, tags), shaping.max_length, tags)
+    body = shaping.template.format(name=name, folder=folder, caption=body)
+    separator = PRESETS["tags" if tags else "natural"].separator
+    return with_trigger(separator.join(p for p in (shaping.prefix.strip(), body.strip(), shaping.suffix.strip()) if p),
+                        shaping.trigger)
+
+
+def with_trigger(text: str, trigger: str) -> str:
+    """The LoRA convention: the trigger word first, then ", "."""
+    trigger = trigger.strip()
+    if not trigger:
+        return text
+    return f"{trigger}, {text}" if text else trigger
+
+
+def without_trigger(text: str, trigger: str) -> str:
+    trigger = trigger.strip()
+    if trigger and (text == trigger or text.startswith(f"{trigger}, ")):
+        return text[len(trigger):].removeprefix(", ")
+    return text
+
+
+def combined(existing: str, new: str, policy: str, shaping: Shaping, tags: bool) -> str:
+    """A caption file's text under `policy` ("append" / "prepend" keep what the file held), trigger word first."""
+    if policy not in ("append", "prepend") or not existing.strip():
+        return new
+    old, fresh = without_trigger(existing.strip(), shaping.trigger), without_trigger(new, shaping.trigger)
+    separator = PRESETS["tags" if tags else "natural"].separator
+    parts = (old, fresh) if policy == "append" else (fresh, old)
+    return with_trigger(separator.join(p for p in parts if p), shaping.trigger)
+
+
+def missing_phrases(text: str, required: Sequence[str]) -> tuple[str, ...]:
+    return tuple(phrase for phrase in required if phrase.strip() and not _phrase_pattern(phrase).search(text))
+
+
+# --------------------------------------------------------------------------------------------------- a run
+@dataclass
+class _Task:
+    image: Path
+    caption_file: Path
+    existing: str = ""  # the caption file's text, for append / prepend
+
+
+@dataclass
+class _Prepared:
+    task: _Task
+    patches: tuple[torch.Tensor, tuple[int, int, int]] | None = None
+    error: str = ""
+
+
+def caption_request(model: "A3BModel", job: FolderJob) -> str:
+    """The request sent with every image: the job's, else the preset's, else the model folder's own captioning
+    request, else a plain one."""
+    return job.prompt or PRESETS[job.preset].prompt or model.config.caption_prompt or DEFAULT_CAPTION_PROMPT
+
+
+def caption_folder(model: "A3BModel", job: FolderJob,
+                   should_stop: Callable[[], bool] | None = None) -> Iterator[FolderProgress]:
+    """Captions the job's folder (see the module's docstring); yields a FolderProgress after the images that are
+    skipped up front, and after each batch. A stop ends the iteration with a step marked `stopped`."""
+    check_job(job)
+    stop = should_stop or (lambda: False)
+    root = job.folder.resolve()
+    write_root = (job.output_dir if job.output_dir is not None else root).resolve()
+    started = time.perf_counter()
+    images, refused = list_images(job)
+    pairs = [(image, caption_path(job, root, image)) for image in images]
+    _check_unique_caption_files(pairs)
+    total = len(images) + len(refused)
+    upfront: list[ImageOutcome] = list(refused)
+    tasks: list[_Task] = []
+    for image, caption in pairs:
+        refusal = _refusal(caption, write_root)
+        if refusal:
+            upfront.append(ImageOutcome(image, caption, "refused", detail=refusal))
+        elif caption.exists() and job.existing == "skip":
+            upfront.append(ImageOutcome(image, caption, "skipped"))
+        else:
+            tasks.append(_Task(image, caption))
+    if job.dry_run:
+        tasks = tasks[:job.dry_run]
+        total = len(upfront) + len(tasks)
+    step = FolderProgress(total, len(upfront), upfront, to_caption=len(tasks), seconds=time.perf_counter() - started)
+    yield step
+    request = caption_request(model, job)
+    batches = [tasks[i:i + job.batch_size] for i in range(0, len(tasks), job.batch_size)]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="a3b-images") as pool:
+        ahead: Future | None = pool.submit(_prepare, model, job, batches[0]) if batches else None
+        for number in range(len(batches)):
+            prepared = ahead.result()
+            ahead = pool.submit(_prepare, model, job, batches[number + 1]) if number + 1 < len(batches) else None
+            if stop():
+                _cancel(ahead)
+                yield _next(step, [], started, stopped=True)
+                return
+            outcomes, stopped, tokens, seconds = _caption_batch(model, job, request, prepared, stop)
+            step = _next(step, outcomes, started, stopped=stopped, tokens=tokens, generation_s=seconds)
+            yield step
+            if stopped:
+                _cancel(ahead)
+                return
+
+
+def _cancel(future: Future | None) -> None:
+    if future is not None:
+        future.cancel()
+
+
+def _next(step: FolderProgress, outcomes: list[ImageOutcome], started: float, stopped: bool = False,
+          tokens: int = 0, generation_s: float = 0.0) -> FolderProgress:
+    captioned = sum(o.status in ("written", "dry run") for o in outcomes)
+    return replace(step, done=step.done + len(outcomes), outcomes=outcomes, captioned=step.captioned + captioned,
+                   new_tokens=step.new_tokens + tokens, generation_s=step.generation_s + generation_s,
+                   seconds=time.perf_counter() - started, stopped=stopped)
+
+
+def _prepare(model: "A3BModel", job: FolderJob, batch: list[_Task]) -> list[_Prepared]:
+    """Decoding and resizing a batch of files (the worker thread's part); an unreadable file is kept with its
+    reason. Files for append / prepend are read here too."""
+    prepared = []
+    for task in batch:
+        try:
+            patches = model.preprocess_image(task.image, job.size, job.resize)
+        except ImageError as exc:
+            prepared.append(_Prepared(task, error=str(exc)))
+            continue
+        if job.existing in ("append", "prepend") and task.caption_file.exists():
+            try:
+                task.existing = task.caption_file.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                prepared.append(_Prepared(task, error=f"its caption file cannot be read as UTF-8 text ({exc}), so "
+                                                      "nothing was added to it"))
+                continue
+        prepared.append(_Prepared(task, patches))
+    return prepared
+
+
+def _caption_batch(model: "A3BModel", job: FolderJob, request: str, prepared: list[_Prepared],
+                   stop: Callable[[], bool]) -> tuple[list[ImageOutcome], bool, int, float]:
+    """One batch through the model and into its files: (outcomes, stopped, new tokens, seconds in the model)."""
+    outcomes = {id(p): ImageOutcome(p.task.image, p.task.caption_file, "unreadable", detail=p.error)
+                for p in prepared if p.patches is None}
+    readable = [p for p in prepared if p.patches is not None]
+    stopped, tokens, seconds = False, 0, 0.0
+    if readable:
+        began = time.perf_counter()
+        images = model.encode_patches((p.patches for p in readable), len(readable))
+        prompts = [model.build_prompt(user=request, images=images[i]) for i in range(len(readable))]
+        results = model.generate_batch(prompts, should_stop=stop, **job.generation.as_kwargs())
+        seconds = time.perf_counter() - began
+        tags = PRESETS[job.preset].tags
+        for item, result in zip(readable, results):
+            tokens += len(result.token_ids)
+            if result.stop_reason == "cancelled":  # an unfinished caption is never written
+                stopped = True
+                continue
+            outcomes[id(item)] = _finish(job, item.task, result.text, tags)
+    ordered = [outcomes[id(p)] for p in prepared if id(p) in outcomes]
+    return ordered, stopped, tokens, seconds
+
+
+def _finish(job: FolderJob, task: _Task, caption: str, tags: bool) -> ImageOutcome:
+    shaping = job.shaping
+    new = shape_caption(caption, shaping, tags, task.image.stem, task.image.parent.name)
+    text = combined(task.existing, new, job.existing, shaping, tags)
+    missing = missing_phrases(text, shaping.require)
+    if job.dry_run:
+        return ImageOutcome(task.image, task.caption_file, "dry run", text, missing=missing)
+    if not write_text_atomic(task.caption_file, text + "\n", overwrite=job.existing != "skip"):
+        return ImageOutcome(task.image, task.caption_file, "skipped")  # written by someone else meanwhile
+    return ImageOutcome(task.image, task.caption_file, "written", text, missing=missing)
+
+
+def summary(outcomes: Sequence[ImageOutcome], stopped: bool = False) -> str:
+    """What a run did, for people: counts by outcome, then every image that needs attention, by name."""
+    counts: dict[str, int] = {}
+    for outcome in outcomes:
+        counts[outcome.status] = counts.get(outcome.status, 0) + 1
+    lines = [", ".join(f"{count} {status}" for status, count in counts.items()) or "no images found"]
+    if stopped:
+        lines[0] += " (stopped; run again with existing=skip to carry on)"
+    for outcome in outcomes:
+        if outcome.status in ("unreadable", "refused"):
+            lines.append(f"{outcome.status}: {outcome.image}: {outcome.detail}")
+        if outcome.missing:
+            lines.append(f"missing {', '.join(repr(m) for m in outcome.missing)}: {outcome.caption_file}")
+    return "\n".join(lines)
+
+
+def run_to_end(model: "A3BModel", job: FolderJob, should_stop: Callable[[], bool] | None = None,
+               on_step: Callable[[FolderProgress], None] | None = None) -> tuple[list[ImageOutcome], bool]:
+    """caption_folder run through: every outcome in order, and whether the run was stopped."""
+    outcomes: list[ImageOutcome] = []
+    stopped = False
+    for step in caption_folder(model, job, should_stop):
+        outcomes += step.outcomes
+        stopped = step.stopped
+        if on_step is not None:
+            on_step(step)
+    return outcomes, stopped
+
+
+def phrases(text: str) -> tuple[str, ...]:
+    """Phrases written one per line or separated by commas."""
+    return tuple(p.strip() for p in re.split(r"[,\n]", text) if p.strip())
+
