@@ -1,4 +1,5 @@
-"""Command line: `python -m a3b_core caption IMAGE...`, `plan MODEL --preset 8gb [--json]`, `inspect MODEL`."""
+"""Command line: `python -m a3b_core caption IMAGE...`, `plan MODEL --preset 8gb [--json]`, `inspect MODEL`,
+`serve MODEL [--host H] [--port P] [--api-key-env VAR]`."""
 from __future__ import annotations
 
 import argparse
@@ -79,6 +80,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import run  # aiohttp is imported by this command only
+
+    run(args.model, args.preset, args.host, args.port, args.api_key_env, args.max_batch_size)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m a3b_core", description="A3B engine tools.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -113,6 +121,19 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="summarise a model folder's config and tensors")
     inspect.add_argument("model", help=MODEL_HELP)
     inspect.set_defaults(run=cmd_inspect)
+
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions)")
+    serve.add_argument("model", help=MODEL_HELP)
+    serve.add_argument("--preset", default="auto", choices=PRESET_NAMES)
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: 127.0.0.1, this machine only; any other address needs "
+                            "--api-key-env)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    serve.add_argument("--api-key-env", default=None, metavar="VAR",
+                       help="name of the environment variable holding the API key clients must send")
+    serve.add_argument("--max-batch-size", type=int, default=32,
+                       help="most requests decoded together (default: 32; 1 decodes one request at a time)")
+    serve.set_defaults(run=cmd_serve)
     return parser
 
 
