@@ -150,11 +150,11 @@ def decode_image_url(url: str, where: str) -> Image.Image:
     are refused."""
     header, comma, data = url.partition(",")
     if not header.startswith("data:") or not comma:
-        raise RequestError(f"{where} is not a data URL. Send the image inline as data:image/png;base64,... (this "
+        raise RequestError(f"{where} is not a data URL. Put the image inline as data:image/png;base64,... (this "
                            "server fetches nothing from the network, so http(s) URLs are not accepted).",
                            param="messages")
     if not header.endswith(";base64"):
-        raise RequestError(f"{where}: the data URL is not base64-encoded; send data:image/png;base64,<base64>.",
+        raise RequestError(f"{where}: the data URL is not base64-encoded; encode it as data:image/png;base64,<base64>.",
                            param="messages")
     try:
         raw = base64.b64decode(data, validate=True)
@@ -166,9 +166,12 @@ def decode_image_url(url: str, where: str) -> Image.Image:
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             image = Image.open(io.BytesIO(raw))
         return load_image(image)
-    except (UnidentifiedImageError, Image.DecompressionBombError, OSError, SyntaxError, ValueError) as exc:
-        raise RequestError(f"{where}: the data URL does not hold an image PIL can decode ({exc}); send a PNG or "
-                           "JPEG file's bytes.", param="messages") from None
+    except UnidentifiedImageError:
+        raise RequestError(f"{where}: the data URL does not hold an image PIL can decode; encode a PNG or JPEG "
+                           "file's bytes.", param="messages") from None
+    except (Image.DecompressionBombError, OSError, SyntaxError, ValueError) as exc:
+        raise RequestError(f"{where}: the image cannot be read ({exc}); check the file and encode it again.",
+                           param="messages") from None
     except ImageError as exc:
         raise RequestError(f"{where}: {exc}", param="messages") from None
 
