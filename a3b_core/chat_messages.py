@@ -28,14 +28,15 @@ def conversation_from_messages(messages: object) -> Conversation:
     """A request's `messages`: an optional system message, then user and assistant messages taking turns, ending with
     a user message. User content is a string or a list of `text` and `image_url` parts."""
     if not isinstance(messages, list) or not messages:
-        raise PromptError("messages must be a non-empty list of {role, content} objects ending with a user message.")
+        raise PromptError("messages must be a non-empty list of {role, content} objects; pass at least the user "
+                          "message the model answers.")
     for index, message in enumerate(messages):
         if not isinstance(message, dict):
-            raise PromptError(f"messages[{index}] is a {type(message).__name__}; each message must be an object with "
-                              "'role' and 'content'.")
+            raise PromptError(f"messages[{index}] is of type {type(message).__name__}; write each message as an "
+                              "object with 'role' and 'content'.")
         if message.get("tool_calls"):
-            raise PromptError(f"messages[{index}] holds tool_calls; this server does not support tools. Send plain "
-                              "text messages.")
+            raise PromptError(f"messages[{index}] holds tool_calls, but this server does not support tools. Remove "
+                              "them and use plain text messages.")
     system = ""
     first = 0
     if messages[0].get("role") == "system":
@@ -50,7 +51,7 @@ def conversation_from_messages(messages: object) -> Conversation:
         expected = "user" if (index - first) % 2 == 0 else "assistant"
         role = message.get("role")
         if role != expected:
-            raise PromptError(f"{where} has role {role!r} where a {expected!r} message belongs. Send an optional "
+            raise PromptError(f"{where} has role {role!r} where a {expected!r} message belongs. Put an optional "
                               "system message first, then user and assistant messages taking turns, ending with a "
                               "user message.")
         if role == "user":
@@ -64,8 +65,8 @@ def conversation_from_messages(messages: object) -> Conversation:
                               reasoning=reasoning if isinstance(reasoning, str) else "",
                               num_images=texts[-1].count(IMAGE_MARKER)))
     if messages[-1].get("role") != "user":
-        raise PromptError(f"messages[{len(messages) - 1}] is not a user message; the conversation must end with the "
-                          "user message the model answers.")
+        raise PromptError(f"messages[{len(messages) - 1}] is not a user message; put the user message the model "
+                          "answers last.")
     return Conversation(texts[-1], system, tuple(turns), tuple(urls), tuple(places))
 
 
@@ -74,8 +75,8 @@ def _user_content(content: object, where: str) -> tuple[str, list[tuple[str, str
     if isinstance(content, str):
         return _plain_text(content, where), []
     if not isinstance(content, list):
-        raise PromptError(f"{where}.content is a {type(content).__name__}; send a string or a list of 'text' and "
-                          "'image_url' parts.")
+        raise PromptError(f"{where}.content is of type {type(content).__name__}; use a string or a list of 'text' "
+                          "and 'image_url' parts.")
     text, images = "", []
     for index, part in enumerate(content):
         place = f"{where}.content[{index}]"
@@ -86,17 +87,17 @@ def _user_content(content: object, where: str) -> tuple[str, list[tuple[str, str
             image = part.get("image_url")
             url = image.get("url") if isinstance(image, dict) else image
             if not isinstance(url, str):
-                raise PromptError(f"{place}.image_url has no url; send {{'url': 'data:image/png;base64,...'}}.")
+                raise PromptError(f"{place}.image_url has no url; give it {{'url': 'data:image/png;base64,...'}}.")
             text += IMAGE_MARKER
             images.append((url, f"{place}.image_url"))
         else:
-            raise PromptError(f"{place} is of type {kind!r}; only 'text' and 'image_url' parts are supported.")
+            raise PromptError(f"{place} is of type {kind!r}; use only 'text' and 'image_url' parts.")
     return text, images
 
 
 def _plain_text(text: object, where: str) -> str:
     if not isinstance(text, str):
-        raise PromptError(f"{where} text is a {type(text).__name__}; send a string.")
+        raise PromptError(f"{where} text is of type {type(text).__name__}; use a string.")
     if IMAGE_MARKER in text:
         raise PromptError(f"{where} contains {IMAGE_MARKER}, which this server reserves for image places. Send images "
                           "as image_url parts and remove the marker from the text.")
@@ -111,8 +112,8 @@ def _text_only(content: object, where: str) -> str:
         parts = []
         for index, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
-                raise PromptError(f"{where}.content[{index}] is not a text part; system and assistant messages can "
-                                  "hold only text.")
+                raise PromptError(f"{where}.content[{index}] is not a text part; remove it (system and assistant "
+                                  "messages hold only text).")
             parts.append(_plain_text(part.get("text"), f"{where}.content[{index}]"))
         return "".join(parts)
     return _plain_text(content, f"{where}.content")

@@ -85,58 +85,56 @@ class ChatRequest:
 def parse_chat_request(body: object, model_name: str) -> ChatRequest:
     """The body of POST /v1/chat/completions, checked field by field."""
     if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object with 'model' and 'messages'.")
+        raise RequestError("the request body is not a JSON object; pass an object with 'model' and 'messages'.")
     if body.get("model") != model_name:
         if not isinstance(body.get("model"), str):
-            raise RequestError(f"'model' is missing; this server serves {model_name!r}.", param="model")
-        raise RequestError(f"the model {body['model']!r} does not exist here; this server serves {model_name!r} "
-                           "(GET /v1/models lists it).", status=404, param="model", code="model_not_found")
+            raise RequestError(f"'model' is missing; set it to {model_name!r}, the model this server serves.",
+                               param="model")
+        raise RequestError(f"the model {body['model']!r} does not exist here; use {model_name!r}, the model this "
+                           "server serves (GET /v1/models lists it).", status=404, param="model",
+                           code="model_not_found")
     unsupported = {"tools": "tools", "logprobs": "logprobs", "logit_bias": "logit_bias",
                    "frequency_penalty": "frequency_penalty (use presence_penalty or repetition_penalty)"}
     for name, what in unsupported.items():
         if body.get(name):
-            raise RequestError(f"{what} is not supported by this server; leave it out.", param=name)
+            raise RequestError(f"{what} is not supported by this server; remove it from the request.", param=name)
     if body.get("n", 1) != 1:
-        raise RequestError("n must be 1: this server gives one answer per request (send several requests; they are "
-                           "decoded together).", param="n")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise RequestError("response_format is not supported (only plain text answers); leave it out.",
+        raise RequestError("n must be 1: this server gives one answer per request. Use n=1 and make several "
+                           "requests instead (they are decoded together).", param="n")
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise RequestError("response_format is not supported (only plain text answers); remove it.",
                            param="response_format")
     try:
         conversation = conversation_from_messages(body.get("messages"))
     except A3BError as exc:
         raise RequestError(str(exc), param="messages") from None
     kwargs = body.get("chat_template_kwargs") or {}
-    if not isinstance(kwargs, dict):
-        raise RequestError("chat_template_kwargs must be an object such as {\"enable_thinking\": false}.",
-                           param="chat_template_kwargs")
-    thinking = kwargs.get("enable_thinking", True)
+    thinking = kwargs.get("enable_thinking", True) if isinstance(kwargs, dict) else None
     if not isinstance(thinking, bool):
-        raise RequestError("chat_template_kwargs.enable_thinking must be true or false.",
-                           param="chat_template_kwargs")
+        raise RequestError("chat_template_kwargs must be an object whose enable_thinking is true or false; use "
+                           "{\"enable_thinking\": false} for answers without thinking.", param="chat_template_kwargs")
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     if max_tokens is not None and (_not_integer(max_tokens) or max_tokens < 1):
-        raise RequestError(f"max_tokens is {max_tokens!r}; expected a whole number of at least 1.",
-                           param="max_tokens")
+        raise RequestError(f"max_tokens is {max_tokens!r}; use a whole number of at least 1.", param="max_tokens")
     sampling = {}
     for name in SAMPLER_FIELDS:
         value = body.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise RequestError(f"{name} is {value!r}; expected a number, or leave it out for Qwen's default.",
-                               param=name)
+            raise RequestError(f"{name} is {value!r}; use a number, or remove it for Qwen's default.", param=name)
         sampling[name] = value
     seed = body.get("seed")
     if seed is not None and _not_integer(seed):
-        raise RequestError(f"seed is {seed!r}; expected a whole number.", param="seed")
+        raise RequestError(f"seed is {seed!r}; use a whole number.", param="seed")
     stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
+    stops = (stop,) if isinstance(stop, str) else tuple(stop) if isinstance(stop, list) else () if stop is None \
+        else (None,)
     if not all(isinstance(s, str) for s in stops):
-        raise RequestError(f"stop is {stop!r}; expected a string or a list of strings.", param="stop")
+        raise RequestError(f"stop is {stop!r}; use a string or a list of strings.", param="stop")
     stream = body.get("stream", False)
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
-        raise RequestError("stream must be true or false, and stream_options an object.", param="stream")
+        raise RequestError("stream must be true or false, and stream_options an object; set them so.",
+                           param="stream")
     return ChatRequest(conversation, thinking, stream, bool(options.get("include_usage")), max_tokens, sampling,
                        seed, tuple(s for s in stops if s))
 
@@ -299,7 +297,7 @@ class Worker:
             except Exception as exc:  # an engine bug: the server goes on serving, the clients learn of it
                 log.exception("generation failed")
                 for job in batch:
-                    job.send("error", RequestError(f"the server failed while generating ({type(exc).__name__}); see "
+                    job.send("error", RequestError(f"the server failed while generating ({type(exc).__name__}); check "
                                                    "its log.", status=500, kind="server_error"))
             finally:
                 self.running = 0
@@ -390,7 +388,7 @@ class ChatServer:
         if self.api_key is not None and request.path.startswith("/v1/"):
             given = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-                return error_response(RequestError("missing or wrong API key: send the header 'Authorization: "
+                return error_response(RequestError("missing or wrong API key: set the header 'Authorization: "
                                                    "Bearer <key>' with the key the server was started with.",
                                                    status=401, code="invalid_api_key"))
         try:
@@ -398,13 +396,13 @@ class ChatServer:
         except A3BError as exc:
             return error_response(exc)
         except web.HTTPRequestEntityTooLarge:
-            return error_response(RequestError(f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB. Send "
+            return error_response(RequestError(f"the request body is larger than {MAX_BODY_BYTES // 2**20} MiB. Use "
                                                "fewer or smaller images (PNG or JPEG, resized first).", status=413))
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
-            return error_response(RequestError(f"{request.method} {request.path}: {exc.reason}. This server answers "
-                                               "POST /v1/chat/completions, GET /v1/models and GET /health.",
+            return error_response(RequestError(f"{request.method} {request.path}: {exc.reason}. Use POST "
+                                               "/v1/chat/completions, GET /v1/models or GET /health.",
                                                status=exc.status))
 
     async def health(self, _request: web.Request) -> web.Response:
@@ -420,7 +418,7 @@ class ChatServer:
         try:
             body = json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError):
-            raise RequestError("the request body is not valid JSON.") from None
+            raise RequestError("the request body is not valid JSON; check how the client encodes it.") from None
         chat = parse_chat_request(body, self.model_name)
         conversation = chat.conversation
         images = await asyncio.to_thread(lambda: [decode_image_url(url, place) for url, place in
