@@ -65,9 +65,9 @@ class RemoteModel:
         self.base_url = checked_base_url(base_url)
         self.model = model.strip()
         if api_key_env and not API_KEY_ENV.fullmatch(api_key_env):
-            raise RemoteError(f"api_key_env {api_key_env!r} is not allowed: name an environment variable that starts "
-                              "with A3B_ (for example A3B_API_KEY) and holds the key, so that a workflow cannot send "
-                              "other secrets of your environment. Leave it empty for a server without a key.")
+            raise RemoteError(f"api_key_env {api_key_env!r} is not allowed: use an environment variable whose name "
+                              "starts with A3B_ (for example A3B_API_KEY) to hold the key, so that a workflow cannot "
+                              "send other secrets of your environment. Leave it empty for a server without a key.")
         self.api_key_env = api_key_env
         if not timeout_s > 0:
             raise RemoteError(f"timeout is {timeout_s}; give the seconds to wait for the server, more than 0.")
@@ -225,7 +225,11 @@ class RemoteModel:
                 for task in pending:
                     task.cancel()  # closes its connection, which cancels its generation on the server
                 await asyncio.gather(*pending, return_exceptions=True)
-        return [answer.result() for answer in answers]
+        results = [answer.result() for answer in answers]
+        for index, (answer, result) in enumerate(zip(answers, results)):
+            if on_text is not None and result.full_text != answer.live_text:
+                on_text(index, result.full_text)  # as the local engine: the last call carries the whole output
+        return results
 
     async def _stream(self, session: aiohttp.ClientSession, body: dict, answer: "_Answer", index: int,
                       on_text: Callable[[int, str], None] | None) -> None:

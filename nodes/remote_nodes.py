@@ -1,28 +1,13 @@
 """A3B Remote Model: a model behind an OpenAI-compatible server, used by the same Image Encode and Generate nodes."""
 from __future__ import annotations
 
-from typing import Any
-
 from a3b_core.remote import RemoteModel
 
 from .comfy_bridge import io
+from .model_handle import RemoteModelHandle
 from .wires import ModelWire
 
 CATEGORY = "A3B"
-
-
-class RemoteModelHandle:
-    """What travels on an A3B_MODEL wire for a remote model: the calls Image Encode and Generate make on a loaded
-    model's handle. There is nothing to load or free here."""
-
-    def __init__(self, remote: RemoteModel):
-        self.remote = remote
-
-    def acquire(self, progress: Any = None) -> RemoteModel:
-        return self.remote
-
-    def finished_run(self) -> None:
-        pass
 
 
 class A3BRemoteModel(io.ComfyNode):
