@@ -3,8 +3,10 @@ Image Encode and Generate nodes make: the same pixels, prompts and greedy answer
 Stop, parallel per-image requests, the API key rules and the errors a user can meet."""
 from __future__ import annotations
 
+import ast
 import re
 import socket
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -251,3 +253,21 @@ def test_generation_can_run_inside_a_running_event_loop(remote):
                                **GREEDY).text
 
     assert asyncio.run(inside()) == expected_captions()[PIXEL_IMAGES[3].name]
+
+
+def test_only_the_client_and_the_server_import_a_networking_module():
+    networking = {"aiohttp", "urllib", "http", "socket", "ssl", "requests", "httpx", "huggingface_hub", "transformers"}
+    allowed = {"a3b_core/remote.py": {"aiohttp", "urllib"}, "a3b_core/serve.py": {"aiohttp"}}
+    root = Path(__file__).resolve().parents[1]
+    found = {}
+    for path in sorted([*root.glob("a3b_core/**/*.py"), *root.glob("nodes/*.py")]):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names.add(node.module.split(".")[0])
+        used = names & networking
+        if used:
+            found[path.relative_to(root).as_posix()] = used
+    assert found == allowed
