@@ -207,7 +207,7 @@ class AnswerStream:
         # Stop strings are matched in the answer only: after the think block in thinking mode, anywhere otherwise.
         close = text.find(THINK_TAGS[1])
         answer_from = 0 if not self.thinking else None if close == -1 else close + len(THINK_TAGS[1])
-        held = [tag for tag in THINK_TAGS]
+        held = list(THINK_TAGS)
         if answer_from is not None:
             hits = [hit for hit in (text.find(stop, answer_from) for stop in self.stops) if hit != -1]
             if hits:
@@ -260,8 +260,9 @@ class Worker:
 
     @property
     def waiting(self) -> int:
+        """Requests waiting for a batch (a cancelled one is dropped when the worker next looks)."""
         with self._ready:
-            return len(self._pending)
+            return sum(1 for job in self._pending if not job.cancelled.is_set())
 
     def submit(self, job: Job) -> None:
         with self._ready:

@@ -17,7 +17,8 @@ from pathlib import Path
 import openai
 import pytest
 
-from a3b_core import load_model
+from a3b_core import GenerationResult, load_model
+from a3b_core.serve import AnswerStream
 from tests.integration.pixel_art_inputs import INPUTS, expected_captions
 from tests.served import REPO, Served, start_served
 from tests.test_bad_inputs import FIX
@@ -279,3 +280,24 @@ def test_an_api_key_variable_that_is_not_set_refuses_to_start():
     env = {k: v for k, v in os.environ.items() if k != "A3B_UNSET_KEY"}
     done = _serve_command("--api-key-env", "A3B_UNSET_KEY", env=env)
     assert done.returncode == 2 and "A3B_UNSET_KEY is not set" in done.stderr, done.stderr
+
+
+# ------------------------------------------------------------------------------------------------ streamed deltas
+@pytest.mark.parametrize("thinking, live, stops, reasoning, answer", [
+    (True, "<think>\nLet me look.\n</think>\n\nA red heart. STOP and more", ("STOP",), "Let me look.",
+     "A red heart."),
+    (False, "A small star at the top.\n\nEND", ("\n\nEND", "never"), "", "A small star at the top."),
+    (False, "<think>\nstray</think>\n\nAn answer with <b>tags</b> in it.", (), "stray",
+     "An answer with <b>tags</b> in it."),
+])
+def test_streamed_deltas_add_up_to_the_final_answer_whatever_the_pieces(thinking, live, stops, reasoning, answer):
+    """Text arriving a character at a time (tags and stop strings split anywhere) still streams as pieces that add up
+    to the engine's final reasoning and answer: nothing is sent that a later token could take back."""
+    stream = AnswerStream(thinking, stops)
+    sent = {"reasoning_content": "", "content": ""}
+    for end in range(1, len(live) + 1):
+        for name, piece in stream.update(live[:end]).items():
+            sent[name] += piece
+    for name, piece in stream.finish(GenerationResult(answer, reasoning, [], {}, "eos")).items():
+        sent[name] += piece
+    assert sent == {"reasoning_content": reasoning, "content": answer}
