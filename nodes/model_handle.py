@@ -1,16 +1,12 @@
-"""What travels on an A3B_MODEL wire: the engine model, how to load it again, and its entry in ComfyUI's manager; or
-a remote model."""
+"""What travels on an A3B_MODEL wire: the engine model, how to load it again, and its entry in ComfyUI's manager."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import a3b_core
 
 from . import comfy_bridge as bridge
-
-if TYPE_CHECKING:
-    from a3b_core.remote import RemoteModel
 
 PRESETS = ["auto", "8gb", "12gb", "16gb", "24gb", "48gb", "cpu"]
 WEIGHT_FORMATS = ["auto", "fp8", "bf16", "int8", "int4"]
@@ -91,17 +87,3 @@ class A3BModelHandle:
         """Called after each generation: frees the memory unless the user asked to keep the model loaded."""
         if not self.keep_loaded:
             self.release()
-
-
-class RemoteModelHandle:
-    """What travels on an A3B_MODEL wire for a remote model: the calls Image Encode and Generate make on a loaded
-    model's handle. There is nothing to load or free here."""
-
-    def __init__(self, remote: RemoteModel):
-        self.remote = remote
-
-    def acquire(self, progress: Any = None) -> RemoteModel:
-        return self.remote
-
-    def finished_run(self) -> None:
-        pass

@@ -4,7 +4,7 @@ from __future__ import annotations
 from a3b_core.remote import RemoteModel
 
 from .comfy_bridge import io
-from .model_handle import RemoteModelHandle
+from .remote_handle import RemoteModelHandle
 from .wires import ModelWire
 
 CATEGORY = "A3B"

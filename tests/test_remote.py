@@ -16,7 +16,7 @@ from a3b_core import GenerationError, PromptError, RemoteError, load_model
 from a3b_core.remote import RemoteImages, RemoteModel, checked_base_url
 from a3b_core.serve import decode_image_url
 from nodes.generation import generate_answers
-from nodes.model_handle import RemoteModelHandle
+from nodes.remote_handle import RemoteModelHandle
 from nodes.prompt_spec import PER_IMAGE, SINGLE, PromptSpec, build_prompts
 from tests.integration.pixel_art_inputs import INPUTS, expected_captions
 from tests.served import Served, start_served
