@@ -108,7 +108,7 @@ def main() -> None:
     print(f"python bench/serve_load.py --requests {args.requests}: a3b-demo on {cpu_name()}, {os.cpu_count()} "
           "cores; each request: one 384x384 image + 'Describe the image.', greedy, streamed, ~15 tokens")
     print("| clients | batched req/s | one at a time req/s | ratio | TTFT median batched | TTFT median one at a "
-          "time | mean batch |")
+          "time | mean batch (batched) |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for clients in CLIENTS:
         batched, single = results["batched", clients], results["one at a time", clients]
@@ -116,9 +116,10 @@ def main() -> None:
         print(f"| {clients} | {rates[0]:.1f} | {rates[1]:.1f} | {rates[0] / rates[1]:.2f}x | "
               f"{statistics.median(batched[1]) * 1000:.0f} ms | {statistics.median(single[1]) * 1000:.0f} ms | "
               f"{statistics.mean(batched[2]):.1f} |")
-    print(json.dumps({f"{mode}/{clients}": {"seconds": run[0], "ttft_median_s": statistics.median(run[1]),
-                                            "ttft_p90_s": statistics.quantiles(run[1], n=10)[-1],
-                                            "batches": run[2]}
+    print(json.dumps({f"{mode}/{clients}": {"seconds": round(run[0], 3),
+                                            "ttft_median_s": round(statistics.median(run[1]), 4),
+                                            "ttft_p90_s": round(statistics.quantiles(run[1], n=10)[-1], 4),
+                                            "mean_batch": round(statistics.mean(run[2]), 2)}
                       for (mode, clients), run in results.items()}))
 
 
