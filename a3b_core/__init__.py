@@ -6,6 +6,6 @@ from .generation import GenerationResult, split_reasoning
 from .image import load_image, resize_image, split_batch
 from .prompt import IMAGE_MARKER, Turn
 
-__all__ = ["A3BModel", "GenerationResult", "ChatPrompt", "EncodedImages", "load_model", "Turn", "A3BError", "CheckpointError",
-           "ConfigError", "GenerationError", "ImageError", "ModelReleasedError", "PlacementError", "PromptError",
-           "RemoteError", "IMAGE_MARKER", "load_image", "resize_image", "split_batch", "split_reasoning"]
+__all__ = ["A3BModel", "GenerationResult", "ChatPrompt", "EncodedImages", "load_model", "Turn", "A3BError",
+           "CheckpointError", "ConfigError", "GenerationError", "ImageError", "ModelReleasedError", "PlacementError",
+           "PromptError", "RemoteError", "IMAGE_MARKER", "load_image", "resize_image", "split_batch", "split_reasoning"]

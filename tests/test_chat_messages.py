@@ -67,7 +67,7 @@ def test_the_served_prompt_is_the_one_qwens_template_renders(demo, images, name,
     assert prompt.prompt.text == official_text(messages, thinking=thinking)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, database=None)
 @given(data=st.data())
 def test_the_clients_messages_give_the_local_prompt(demo, images, data):
     words = st.sampled_from(["Describe", " the image", "\n", "  ", "in one sentence.", "é", ""])
