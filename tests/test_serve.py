@@ -152,6 +152,21 @@ def test_a_seed_gives_the_same_sampled_answer_and_other_seeds_differ(client, dem
     assert others - {first}
 
 
+@pytest.mark.parametrize("options, like_greedy", [
+    ({"temperature": 5.0, "top_k": 0, "top_p": 1.0, "presence_penalty": 0}, False),
+    ({"temperature": 5.0, "top_k": 1, "top_p": 1.0, "presence_penalty": 0}, True),
+    ({"temperature": 5.0, "top_k": 0, "top_p": 0.001, "presence_penalty": 0}, True),
+    ({"temperature": 5.0, "top_k": 0, "top_p": 1.0, "min_p": 1.0, "presence_penalty": 0}, True),
+    ({"temperature": 0, "presence_penalty": -100.0}, False),
+    ({"temperature": 0, "repetition_penalty": 100.0}, False),
+], ids=["sampled", "top_k", "top_p", "min_p", "presence_penalty", "repetition_penalty"])
+def test_each_sampler_value_acts_as_in_the_local_engine(client, demo, options, like_greedy):
+    greedy = local_answer(demo, REQUEST, max_new_tokens=24).text
+    local = local_answer(demo, REQUEST, max_new_tokens=24, seed=3, **options).text
+    assert ask(client, REQUEST, max_tokens=24, seed=3, **options).choices[0].message.content == local
+    assert (local == greedy) is like_greedy
+
+
 def test_eight_concurrent_streams_are_batched_and_each_is_right(served, client, demo):
     requests = [(REQUEST, [path]) for path in PIXEL_IMAGES + ANGLE_IMAGES] + [(REQUEST, [])]
     assert len(requests) == 8
@@ -245,6 +260,25 @@ def test_errors_during_a_stream_are_refused_before_it_starts(client):
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
         list(ask(client, REQUEST, stream=True, presence_penalty=1000.0))
     _still_serving(client)
+
+
+def test_max_batch_size_caps_the_batches(tmp_path, demo):
+    served = start_served(tmp_path, "--max-batch-size", "2")
+    try:
+        client = openai.OpenAI(base_url=served.url, api_key="not-checked", max_retries=0, timeout=120)
+        start = threading.Barrier(6)
+
+        def run(path: Path) -> str:
+            start.wait()
+            return ask(client, REQUEST, [path]).choices[0].message.content
+
+        with ThreadPoolExecutor(6) as pool:
+            got = list(pool.map(run, (PIXEL_IMAGES + PIXEL_IMAGES)[:6]))
+        assert got == [local_answer(demo, REQUEST, [path]).text for path in (PIXEL_IMAGES + PIXEL_IMAGES)[:6]]
+    finally:
+        served.stop()
+    batches = [int(n) for n in re.findall(r"batch of (\d+)", served.log_text())]
+    assert len(batches) == 6 and max(batches) == 2, batches
 
 
 # ------------------------------------------------------------------------------------------------ security
