@@ -10,11 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .checkpoint import Checkpoint
-from .config import load_config
 from .engine import DEMO_MODEL_NAME, DEMO_MODELS, load_model, resolve_model_path
 from .errors import A3BError, ImageError
-from .placement import GiB, KV_CACHES, PRESET_NAMES, WEIGHT_FORMATS, classify, expert_layout, format_bytes, \
-    plan_for_folder
+from .models import family_for, load_config
+from .options import KV_FORMATS, PRESET_NAMES, RESIZE_MODES, WEIGHT_FORMATS
+from .placement import GiB, format_bytes, plan_for_folder
 
 DEFAULT_CAPTION_PROMPT = "Describe the image in one sentence."
 MODEL_HELP = f"model folder (config.json + .safetensors), or an embedded demo model: {', '.join(DEMO_MODELS)}"
@@ -53,16 +53,9 @@ def cmd_caption(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     folder = resolve_model_path(args.model)
     config = load_config(folder)
+    family = family_for(config.model_type)
     ckpt = Checkpoint(folder)
-    t, v = config.text, config.vision
-    full = t.layer_types.count("full_attention")
-    lines = [f"model: {folder}",
-             f"config: {config.model_type}, {t.num_layers} layers ({full} full attention, {t.num_layers - full} "
-             f"DeltaNet), hidden {t.hidden_size}, vocab {t.vocab_size}, context {t.max_position_embeddings}",
-             (f"experts: {t.num_experts} per layer, top-{t.num_experts_per_tok}, size {t.moe_intermediate_size}, "
-              f"shared expert {t.shared_expert_intermediate_size}" if t.is_moe
-              else f"dense MLP: intermediate size {t.intermediate_size}"),
-             f"vision: {v.depth} blocks, hidden {v.hidden_size}" if v else "vision: none"]
+    lines = [f"model: {folder}", f"family: {family.name}", *family.describe(config)]
     if config.quantization:
         lines.append(f"quantization_config: {json.dumps(config.quantization)}")
     total = sum(info.nbytes for info in ckpt.infos.values())
@@ -72,8 +65,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         by_dtype[str(info.dtype).removeprefix("torch.")] += info.nbytes
     lines += [f"  {dtype}: {format_bytes(n)}" for dtype, n in by_dtype.most_common()]
     tensors = {name: (info.shape, info.dtype) for name, info in ckpt.infos.items()}
-    lines.append(f"expert layout: {expert_layout(config, tensors)}")
-    mtp = sum(1 for name in ckpt.infos if classify(name)[0] == "mtp")
+    lines.append(f"expert layout: {family.expert_layout(config, tensors)}")
+    mtp = sum(1 for name in ckpt.infos if family.classify(name)[0] == "mtp")
     if mtp:
         lines.append(f"mtp: {mtp} tensors (not loaded)")
     print("\n".join(lines))
@@ -98,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                         f"else '{DEFAULT_CAPTION_PROMPT}')")
     caption.add_argument("--preset", default="auto", choices=PRESET_NAMES)
     caption.add_argument("--size", type=int, default=384, help="image side in pixels (multiple of 32)")
-    caption.add_argument("--resize", default="stretch", choices=("stretch", "letterbox", "crop", "native"))
+    caption.add_argument("--resize", default="stretch", choices=RESIZE_MODES)
     caption.add_argument("--thinking", action="store_true", help="let the model reason before answering")
     caption.add_argument("--max-new-tokens", type=int, default=128)
     caption.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default, reproducible)")
@@ -110,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--preset", default="auto", choices=PRESET_NAMES)
     plan.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
                       help="format of the routed experts kept in RAM")
-    plan.add_argument("--kv-cache", default="auto", choices=KV_CACHES)
+    plan.add_argument("--kv-cache", default="auto", choices=KV_FORMATS)
     plan.add_argument("--max-context", type=int, default=None, help="tokens (default: the preset's)")
     plan.add_argument("--ram", type=float, default=None, help="RAM budget in GiB (default: MemAvailable)")
     plan.add_argument("--vram", type=float, default=None,

@@ -10,49 +10,24 @@ from pathlib import Path
 
 import torch
 
-from . import devices
+from . import backends, devices
 from . import image as image_pipeline
-from .cache import Cache
 from .checkpoint import Checkpoint
-from .config import ModelConfig, parse_config, read_config
+from .config import ModelConfig, read_config
 from .errors import CheckpointError, ConfigError, ImageError, ModelReleasedError, PromptError
-from .model import ATTENTION_SCORES_BYTES, GDN_CHUNK, TextModel
-from .packed import pack_cpu_linears
-from .placement import Plan, activation_bytes_per_token, make_plan
-from .positions import mrope_position_ids
-from .products import fuse_input_projections
-from .prompt import Prompt, Turn, build_prompt
+from .generation import GenerationResult, generate, generate_batch
+from .inputs import ChatPrompt, EncodedImages, check_input_ids
+from .models import family_for, family_of
+from .options import COMPUTE_DTYPES, FORMAT_OF_DTYPE
+from .placement import Plan, make_plan
+from .prompt import Turn
 from .tokenizer import Tokenizer, check_against_config
-from .vision import VisionTower
-from .weights import (CONVERTED_EXPERT_FORMATS, FORMAT_OF_DTYPE, VISION_PREFIXES, Progress, find_prefix, load_module,
-                      load_text_model, stored_layers)
+from .backends.experts import CONVERTED_FORMATS
+from .weights import Progress, find_prefix, load_module
 
-COMPUTE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EXPERT_CACHE_VERSION = 1
 DEMO_MODEL_NAME = "a3b-demo"  # load_model's default
 DEMO_MODELS = {name: Path(__file__).parent / "demo" / name for name in (DEMO_MODEL_NAME, "a3b-demo-fp8")}
-
-
-@dataclass
-class EncodedImages:
-    """Vision-tower output for a list of images, reusable across prompts."""
-    embeds: list[torch.Tensor]  # per image [tokens, hidden]
-    grids: list[tuple[int, int, int]]  # per image (t, gh, gw) in patches
-
-    def __len__(self) -> int:
-        return len(self.embeds)
-
-    def __getitem__(self, index: int | slice) -> "EncodedImages":
-        if isinstance(index, int):
-            index = slice(index, index + 1 if index != -1 else None)
-        return EncodedImages(self.embeds[index], self.grids[index])
-
-    def __add__(self, other: "EncodedImages") -> "EncodedImages":
-        return EncodedImages(self.embeds + other.embeds, self.grids + other.grids)
-
-    @property
-    def token_counts(self) -> list[int]:
-        return [e.shape[0] for e in self.embeds]
 
 
 @dataclass
@@ -92,11 +67,12 @@ def resolve_compute_dtype(compute_dtype: str, device: torch.device) -> torch.dty
 
 
 class A3BModel:
-    def __init__(self, folder: Path, config: ModelConfig, text: TextModel, vision: VisionTower | None,
+    def __init__(self, folder: Path, config: ModelConfig, text: torch.nn.Module, vision: torch.nn.Module | None,
                  tokenizer: Tokenizer | None, plan: Plan, device: torch.device, dtype: torch.dtype,
                  load_stats: LoadStats):
         self.folder = folder
         self.config = config
+        self.family = family_for(config.model_type)
         self.text = text
         self.vision = vision
         self.tokenizer = tokenizer
@@ -160,7 +136,8 @@ class A3BModel:
         if not isinstance(images, EncodedImages):
             raise PromptError(f"images is a {type(images).__name__}; pass the result of model.encode_images(...), "
                               "which turns pictures into what the model reads.")
-        prompt = build_prompt(self.require_tokenizer(), user, system=system, image_token_counts=images.token_counts,
+        prompt = self.family.build_prompt(self.require_tokenizer(), user, system=system,
+                                          image_token_counts=images.token_counts,
                               thinking=thinking, history=history, add_vision_id=add_vision_id)
         return ChatPrompt(prompt, images)
 
@@ -196,27 +173,27 @@ class A3BModel:
 
     def positions(self, input_ids: torch.Tensor, images: EncodedImages | None,
                   attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
-        """M-RoPE positions [3, B, T] and each row's rope delta; left padding gets position 0."""
+        """Rotary positions [3, B, T] and each row's rope delta; left padding gets position 0. A row's images are
+        the next ones in `images` whose tokens its pads hold."""
         b, t = input_ids.shape
         positions = torch.zeros(3, b, t, dtype=torch.long)
         deltas = []
-        grids = list(images.grids) if images is not None else []
-        merge = self.config.vision.spatial_merge_size if self.config.vision else 2
+        pending = list(zip(images.grids, images.token_counts)) if images is not None else []
         for row in range(b):
             real = attention_mask[row].bool() if attention_mask is not None else torch.ones(t, dtype=torch.bool)
             ids = input_ids[row][real.to(input_ids.device)].cpu()
             n_pads, row_grids = int((ids == self.config.image_token_id).sum()), []
-            while n_pads > 0 and grids:
-                grid = grids.pop(0)
+            while n_pads > 0 and pending:
+                grid, tokens = pending.pop(0)
                 row_grids.append(grid)
-                n_pads -= grid[0] * (grid[1] // merge) * (grid[2] // merge)
-            pos, delta = mrope_position_ids(ids, row_grids, self.config.image_token_id, merge)
+                n_pads -= tokens
+            pos, delta = self.family.positions(self.config, ids, row_grids)
             positions[:, row, real] = pos
             deltas.append(delta)
         return positions.to(self.device), deltas
 
     @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, images: EncodedImages | None = None, cache: Cache | None = None,
+    def forward(self, input_ids: torch.Tensor, images: EncodedImages | None = None, cache=None,
                 attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 last_only: bool = False) -> torch.Tensor:
         if position_ids is None:
@@ -224,7 +201,7 @@ class A3BModel:
         mask = attention_mask.to(self.device) if attention_mask is not None else None
         return self.text(self.embed(input_ids, images), position_ids, cache, mask, last_only)
 
-    def prefill(self, input_ids: torch.Tensor, images: EncodedImages | None, cache: Cache,
+    def prefill(self, input_ids: torch.Tensor, images: EncodedImages | None, cache,
                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
                 chunk: int | None = None) -> torch.Tensor:
         """Runs a prompt batch (input_ids [B, T] in RAM) into `cache`, `chunk` tokens at a time (default: what the
@@ -247,11 +224,8 @@ class A3BModel:
         return logits[:, -1]
 
     def prefill_chunk(self, rows: int) -> int:
-        """Prompt tokens per forward pass for a batch of `rows`: as many as the plan's activation workspace holds
-        besides the attention scores, in whole DeltaNet chunks."""
-        per_token = activation_bytes_per_token(self.config, FORMAT_OF_DTYPE[self.dtype])
-        tokens = (self.plan.workspace_bytes - ATTENTION_SCORES_BYTES) // (rows * per_token)
-        return max(GDN_CHUNK, tokens // GDN_CHUNK * GDN_CHUNK)
+        """Prompt tokens per forward pass for a batch of `rows`: what the plan's activation workspace holds."""
+        return self.family.prefill_chunk(self.config, self.plan.workspace_bytes, rows, FORMAT_OF_DTYPE[self.dtype])
 
     def logits(self, input_ids: torch.Tensor, images: EncodedImages | None = None,
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -261,18 +235,17 @@ class A3BModel:
         return self.forward(input_ids, images if images is not None else EncodedImages([], []),
                             attention_mask=attention_mask)
 
-    def new_cache(self, batch: int, max_len: int, kv_dtype: str | None = None) -> Cache:
-        return Cache(self.config.text, batch, max_len, self.dtype, self.device, kv_dtype=kv_dtype)
+    def new_cache(self, batch: int, max_len: int, kv_dtype: str | None = None):
+        """The family's generation cache for `batch` sequences of up to `max_len` tokens, on the model's device."""
+        return self.family.new_cache(self.config.text, batch, max_len, self.dtype, self.device, kv_dtype=kv_dtype)
 
     # ------------------------------------------------------------------------------------------- generation
-    def generate(self, prompt, **options) -> "GenerationResult":
+    def generate(self, prompt, **options) -> GenerationResult:
         """See a3b_core.generation.generate."""
-        from .generation import generate  # generation imports this module
         return generate(self, prompt, **options)
 
-    def generate_batch(self, prompts, **options) -> "list[GenerationResult]":
+    def generate_batch(self, prompts, **options) -> list[GenerationResult]:
         """See a3b_core.generation.generate_batch."""
-        from .generation import generate_batch
         return generate_batch(self, prompts, **options)
 
     def release(self) -> None:
@@ -280,30 +253,6 @@ class A3BModel:
         self.text = None
         self.vision = None
         devices.empty_cache(self.device)
-
-
-@dataclass(frozen=True)
-class ChatPrompt:
-    """A built prompt together with the encoded images it refers to."""
-    prompt: Prompt
-    images: EncodedImages
-
-    @property
-    def input_ids(self) -> tuple[int, ...]:
-        return self.prompt.input_ids
-
-
-def check_input_ids(input_ids, vocab_size: int) -> torch.Tensor:
-    ids = torch.as_tensor(input_ids)
-    if ids.dim() == 1:
-        ids = ids[None]
-    if ids.dim() != 2 or ids.numel() == 0 or ids.dtype in (torch.float16, torch.float32, torch.float64, torch.bool):
-        raise PromptError(f"input_ids must be a non-empty integer tensor [batch, tokens]; got shape "
-                          f"{tuple(ids.shape)} and dtype {ids.dtype}.")
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise PromptError(f"input_ids hold ids outside the vocabulary [0, {vocab_size}); got {int(ids.min())}.."
-                          f"{int(ids.max())}. Use the model's own tokenizer.")
-    return ids.long()
 
 
 def expert_cache_dir(ckpt: Checkpoint, fmt: str) -> Path:
@@ -326,13 +275,15 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     started = time.perf_counter()
     folder = resolve_model_path(path)
     raw_config = read_config(folder)
+    where_config = str(folder / "config.json")
+    family = family_of(raw_config, where_config)
     ckpt = Checkpoint(folder)  # headers only: config.json's layer counts are checked against them before any use
-    config = parse_config(raw_config, str(folder / "config.json"), stored_layers(ckpt))
+    config = family.parse_config(raw_config, where_config, family.stored_layers(ckpt))
     ckpt.fp8_block = config.fp8_block
     tokenizer = None
     if (folder / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_folder(folder)
-        check_against_config(tokenizer, config, str(folder / "config.json"))
+        check_against_config(tokenizer, config, where_config)
     device = devices.resolve_device(device)
     dtype = resolve_compute_dtype(compute_dtype, device)
     plan = make_plan(config, {n: (i.shape, i.dtype) for n, i in ckpt.infos.items()}, preset,
@@ -354,39 +305,22 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
 
     try:
         with torch.device("meta"):
-            text = TextModel(config.text)
-        text_prefix = load_text_model(text, config.text, ckpt, dtype, progress, expert_placement,
-                                      {fmt: expert_cache_dir(ckpt, fmt) for fmt in CONVERTED_EXPERT_FORMATS},
-                                      keep_fp8=plan.dense_format == "fp8")
-        vision = None
+            text = family.text_model(config.text)
+        text_prefix = family.load_text(text, config.text, ckpt, dtype, progress, expert_placement,
+                                       {fmt: expert_cache_dir(ckpt, fmt) for fmt in CONVERTED_FORMATS},
+                                       keep_fp8=plan.dense_format == "fp8")
+        vision, vision_prefix = None, ""
         if plan.vision_device != "none":
             with torch.device("meta"):
-                vision = VisionTower(config.vision)
-            vision_prefix = find_prefix(ckpt, "pos_embed.weight", VISION_PREFIXES, "vision")
+                vision = family.vision_tower(config.vision)
+            vision_prefix = find_prefix(ckpt, family.vision_probe, family.vision_prefixes, "vision")
             load_module(vision, ckpt, vision_prefix, dtype)
             devices.move(vision.eval(), where(plan.vision_device))
-            pack_cpu_linears(vision, release_under(vision_prefix))
     except (RuntimeError, ValueError) as exc:  # torch refusing a tensor that passed the header checks
         raise CheckpointError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong "
                               "to another model: download them again.") from exc
-    place_text_model(text.eval(), where(plan.dense_device), where(plan.embed_device),
-                     {layer: where("cuda") for layer in plan.gpu_expert_layers})
-    fuse_input_projections(text, release_under(text_prefix))
+    family.place_text(text.eval(), where(plan.dense_device), where(plan.embed_device),
+                      {layer: where("cuda") for layer in plan.gpu_expert_layers})
+    backends.prepare_cpu(text, vision, release_under(text_prefix), release_under(vision_prefix))
     stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
     return A3BModel(folder, config, text, vision, tokenizer, plan, where(plan.dense_device), dtype, stats)
-
-
-def place_text_model(text: TextModel, dense: torch.device, embed: torch.device,
-                     expert_devices: dict[int, torch.device]) -> None:
-    """Moves the dense parts to `dense`, the embedding table to `embed` and the routed experts of the layers in
-    `expert_devices` to theirs (other layers' experts stay where loading put them). A tied lm_head stays the
-    embedding table itself, so it is never held twice."""
-    moved: dict[int, torch.Tensor] = {}
-    devices.move(text.embed_tokens, embed, moved)
-    for index, layer in enumerate(text.layers):
-        experts = layer.mlp._modules.pop("experts", None)
-        devices.move(layer, dense, moved)
-        if experts is not None:
-            layer.mlp.experts = devices.move(experts, expert_devices[index]) if index in expert_devices else experts
-    devices.move(text.norm, dense, moved)
-    devices.move(text.lm_head, dense, moved)

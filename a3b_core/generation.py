@@ -17,17 +17,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from . import devices
-from .cache import Cache, checked_kv_format
-from .engine import A3BModel, ChatPrompt, EncodedImages, check_input_ids
+from .backends.heap import heap_kept
 from .errors import CheckpointError, GenerationError, PromptError
-from .heap import heap_kept
-from .placement import cache_row_bytes
+from .inputs import ChatPrompt, EncodedImages, check_input_ids
+from .options import FORMAT_OF_DTYPE, checked_kv_format
 from .sampling import NOT_FINITE, Sampler, SamplingParams, resolve_sampling
 from .tokenizer import StreamDecoder, Tokenizer
-from .weights import FORMAT_OF_DTYPE
+
+if TYPE_CHECKING:  # the engine calls generation; generation only needs the model's type for annotations
+    from .engine import A3BModel
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 BUDGET_CLOSE = "\n</think>\n\n"  # forced when the thinking budget runs out; the model then writes its answer
@@ -316,7 +319,8 @@ def _batches(model: A3BModel, requests: list[_Request], opts: _Options) -> list[
     """The prompts split into consecutive batches whose generation cache fits in what the plan holds for one
     sequence at its full context (per row, keys and values and the DeltaNet state), so a batch never outgrows it."""
     tokens = max(len(r.ids) for r in requests) + opts.max_new_tokens
-    per_row = cache_row_bytes(model.config, tokens, opts.kv_dtype, FORMAT_OF_DTYPE[model.dtype])
+    per_row = (model.family.kv_bytes(model.config, tokens, opts.kv_dtype, FORMAT_OF_DTYPE[model.dtype])
+               + model.family.state_bytes(model.config))
     size = max(1, model.plan.cache_bytes // per_row)
     return [list(range(start, min(start + size, len(requests)))) for start in range(0, len(requests), size)]
 
@@ -338,7 +342,7 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
     images = [r.images for r in requests if r.images is not None]
     images = sum(images[1:], images[0]) if images else None
     mask = mask if min(lengths) < width else None
-    cache = Cache(text_cfg, len(requests), width + opts.max_new_tokens, model.dtype, device, opts.kv_dtype)
+    cache = model.new_cache(len(requests), width + opts.max_new_tokens, opts.kv_dtype)
     sampler = Sampler(opts.sampling, [r.ids for r in requests], text_cfg.vocab_size, device, opts.seed)
     stats = {"batch_size": len(requests), "kv_cache_bytes": cache.nbytes, "ttft_s": 0.0, "prefill_tok_s": 0.0,
              "decode_tok_s": 0.0}

@@ -23,8 +23,8 @@ import torch
 from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
 
 from .errors import ImageError
+from .options import RESIZE_MODES
 
-RESIZE_MODES = ("stretch", "letterbox", "crop", "native")
 MAX_INPUT_PIXELS = 8192 * 8192 * 2  # decompression-bomb guard for decoded inputs
 # The real preprocessor_config.json: size.shortest_edge / size.longest_edge (pixel counts, not edges).
 PROCESSOR_MIN_PIXELS = 256 * 256

@@ -24,24 +24,23 @@ from __future__ import annotations
 
 import math
 import os
-import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .cache import KV_FORMATS
 from .checkpoint import FP8_DTYPES, Checkpoint
-from .config import ModelConfig, load_config
+from .config import ModelConfig
 from .errors import PlacementError
+from .models import family_for, load_config
+from .options import FLOAT_FORMATS, KV_FORMATS, PRESET_NAMES, WEIGHT_FORMATS
 from .weights import stays_fp32
 
 MiB, GiB = 1 << 20, 1 << 30
 CUDA_CONTEXT_BYTES = 512 * MiB  # driver context, cuBLAS handles, allocator slack
 GPU_WORKSPACE_BYTES = 512 * MiB  # activations of a prefill chunk and of one large image in the vision tower
 CPU_WORKSPACE_BYTES = 1 * GiB  # CPU activations and one layer's buffers while experts are converted at load
-ACTIVATION_COPIES = 6  # fp32 copies of a layer's widest activation alive at once while prefilling (measured: 5.2)
 
 
 @dataclass(frozen=True)
@@ -60,16 +59,10 @@ PRESETS = {
     "24gb": Preset(24, 131072, True),
     "48gb": Preset(48, 262144, True),
 }
-PRESET_NAMES = ("auto", *PRESETS, "cpu")
 CPU_CONTEXT = 32768
 MIN_CONTEXT = 4096  # an automatically chosen context is never halved below this
-WEIGHT_FORMATS = ("auto", "fp8", "int8", "int4", "bf16", "fp32")
-COMPUTE_FORMATS = ("bf16", "fp16", "fp32")  # what dense parts and float experts are held and computed in
-KV_CACHES = KV_FORMATS
 QUANT = {"int8": (8, 128, 2), "int4": (4, 128, 4)}  # bits per weight, group size, bytes of scales per group
-FLOAT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 DENSE_GROUPS = ("lm_head", "mixers", "shared_experts", "routers", "mlp", "norms", "other")
-_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.(.+)$")
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]  # shape, dtype
 Tensors = Mapping[str, TensorSpec]
@@ -189,29 +182,6 @@ def layer_ranges(layers: Iterable[int]) -> str:
 
 
 # --------------------------------------------------------------------------------------------- the inventory
-def classify(name: str) -> tuple[str, int | None]:
-    """A tensor name -> (group, text layer or None). Groups: embed_tokens, lm_head, mixers, shared_experts,
-    routers, mlp (dense models), norms, experts (routed), vision, mtp, other."""
-    if name.startswith("mtp.") or ".mtp." in name:
-        return "mtp", None
-    if name.startswith("visual.") or ".visual." in name:
-        return "vision", None
-    if name.endswith("embed_tokens.weight"):
-        return "embed_tokens", None
-    if name.endswith("lm_head.weight"):
-        return "lm_head", None
-    match = _LAYER.search(name)
-    if match is None:
-        return ("norms" if name.endswith("norm.weight") else "other"), None
-    layer, rest = int(match[1]), match[2]
-    for prefix, group in (("mlp.experts.", "experts"), ("mlp.gate.", "routers"),
-                          ("mlp.shared_expert", "shared_experts"), ("mlp.", "mlp"),
-                          ("linear_attn.", "mixers"), ("self_attn.", "mixers")):
-        if rest.startswith(prefix):
-            return group, layer
-    return ("norms" if "norm" in rest else "other"), layer
-
-
 def _is_scale(name: str) -> bool:
     return name.endswith(("_scale_inv", "_scale"))
 
@@ -228,13 +198,14 @@ def tensor_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: str
     if fmt in QUANT:
         bits, group, scale_bytes = QUANT[fmt]
         return numel * bits // 8 + -(-numel // group) * scale_bytes
-    return numel * FLOAT_BYTES[fmt]
+    return numel * FLOAT_FORMATS[fmt].itemsize
 
 
 class Inventory:
     """The checkpoint's tensors grouped the way the planner places them, with their bytes per format."""
 
-    def __init__(self, tensors: Tensors):
+    def __init__(self, tensors: Tensors, classify: Callable[[str], tuple[str, int | None]]):
+        """`classify`: the family's tensor name -> (group, text layer or None)."""
         self.groups: dict[str, dict[str, TensorSpec]] = {}
         experts: dict[int, dict[str, TensorSpec]] = {}
         for name, (shape, dtype) in tensors.items():
@@ -267,60 +238,6 @@ def _bytes(tensors: Mapping[str, TensorSpec], fmt: str) -> int:
     return sum(tensor_bytes(name, shape, dtype, fmt) for name, (shape, dtype) in tensors.items())
 
 
-def expert_layout(config: ModelConfig, tensors: Tensors) -> str:
-    """How the routed experts of the text layers are stored: fused, fused-transposed, per-expert, or none."""
-    names = [n for n in tensors if classify(n)[0] == "experts"]
-    if not names:
-        return "none (dense MLP)"
-    fp8 = " fp8 (block scales)" if any(tensors[n][1] in FP8_DTYPES for n in names) else ""
-    fused = [n for n in names if n.endswith("experts.gate_up_proj")]
-    if not fused:
-        return "per-expert" + fp8
-    t = config.text
-    shape = tuple(tensors[fused[0]][0])
-    if shape == (t.num_experts, 2 * t.moe_intermediate_size, t.hidden_size):
-        return "fused [E, 2I, H]" + fp8
-    if shape == (t.num_experts, t.hidden_size, 2 * t.moe_intermediate_size):
-        return "fused-transposed [E, H, 2I]" + fp8
-    return f"fused, unexpected shape {list(shape)}"
-
-
-# --------------------------------------------------------------------------------------------- cache sizes
-def kv_bytes(config: ModelConfig, tokens: int, kv_dtype: str, compute_format: str = "bf16") -> int:
-    """Keys and values of the full-attention layers for `tokens` tokens of one sequence, plus the padding mask; a
-    cache stored in another format than the compute one adds one layer's keys and values in the compute format."""
-    t = config.text
-    full = t.layer_types.count("full_attention")
-    vectors = tokens * full * 2 * t.num_kv_heads
-    scratch = 2 * tokens * t.num_kv_heads * t.head_dim * FLOAT_BYTES[compute_format] \
-        if full and kv_dtype != compute_format else 0
-    stored = vectors * (t.head_dim + 4) if kv_dtype == "int8" else vectors * t.head_dim * FLOAT_BYTES[kv_dtype]
-    return stored + scratch + tokens
-
-
-def cache_row_bytes(config: ModelConfig, tokens: int, kv_dtype: str, compute_format: str) -> int:
-    """What one more sequence of `tokens` tokens adds to a generation cache: keys and values, DeltaNet state."""
-    return kv_bytes(config, tokens, kv_dtype, compute_format) + deltanet_state_bytes(config)
-
-
-def activation_bytes_per_token(config: ModelConfig, compute_format: str) -> int:
-    """An upper bound on the temporaries one prompt token adds inside a decoder layer while prefilling (the
-    DeltaNet layers' fp32 intermediates dominate), as measured on the real model's shapes in the tests."""
-    t = config.text
-    conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim
-    value_dim = t.linear_num_value_heads * t.linear_value_head_dim
-    widest = max(conv_dim + value_dim, t.hidden_size, 2 * t.num_heads * t.head_dim)
-    return ACTIVATION_COPIES * widest * 4
-
-
-def deltanet_state_bytes(config: ModelConfig) -> int:
-    t = config.text
-    conv_dim = 2 * t.linear_num_key_heads * t.linear_key_head_dim + t.linear_num_value_heads * t.linear_value_head_dim
-    per_layer = (conv_dim * (t.linear_conv_kernel_dim - 1)
-                 + t.linear_num_value_heads * t.linear_key_head_dim * t.linear_value_head_dim) * 4
-    return t.layer_types.count("linear_attention") * per_layer
-
-
 # --------------------------------------------------------------------------------------------- planning
 class _NoFit(Exception):
     """A budget is too small; `memory` is "VRAM" or "RAM"."""
@@ -334,7 +251,7 @@ class _NoFit(Exception):
 class _Planner:
     def __init__(self, config: ModelConfig, inv: Inventory, weight_format: str, kv_cache: str,
                  max_context: int | None, compute_format: str = "bf16"):
-        self.config, self.inv = config, inv
+        self.config, self.inv, self.family = config, inv, family_for(config.model_type)
         self.weight_format, self.kv_cache, self.max_context = weight_format, kv_cache, max_context
         self.compute_format = compute_format
         self.layers = tuple(inv.expert_layers)
@@ -450,22 +367,23 @@ class _Planner:
             return self.compute_format
         context, kv = next(self._cache_choices(self.context_for(gpu_budget), True))
         need = (sum(p.bytes for p in self._dense_parts("cuda", self.compute_format))
-                + kv_bytes(self.config, context, kv, self.compute_format) + deltanet_state_bytes(self.config)
+                + self.family.kv_bytes(self.config, context, kv, self.compute_format)
+                + self.family.state_bytes(self.config)
                 + self.inv.bytes("vision", self.compute_format))
         return self.compute_format if need <= gpu_budget else "fp8"
 
     def _cache_parts(self, parts: list[PlanPart], device: str, gpu_budget: int, context: int,
                      notes: list[str]) -> tuple[list[PlanPart], int]:
         """The KV cache and DeltaNet state parts and the context: on the GPU, the first choice that fits."""
-        state = deltanet_state_bytes(self.config)
+        state = self.family.state_bytes(self.config)
         choices = list(self._cache_choices(context, device == "cuda"))
         if device == "cuda":
             fixed = sum(p.bytes for p in parts if p.device == "cuda") + state
             fitting = [(c, kv) for c, kv in choices
-                       if fixed + kv_bytes(self.config, c, kv, self.compute_format) <= gpu_budget]
+                       if fixed + self.family.kv_bytes(self.config, c, kv, self.compute_format) <= gpu_budget]
             if not fitting:
                 c, kv = choices[-1]
-                raise _NoFit("VRAM", fixed + kv_bytes(self.config, c, kv, self.compute_format), gpu_budget,
+                raise _NoFit("VRAM", fixed + self.family.kv_bytes(self.config, c, kv, self.compute_format), gpu_budget,
                              f"the dense parts, the CUDA reserve and the cache for {c} tokens in {kv}")
         else:
             fitting = choices
@@ -476,7 +394,7 @@ class _Planner:
         full = self.config.text.layer_types.count("full_attention")
         notes.append(f"KV cache in {kv} for {tokens} tokens ({full} full-attention layers, one sequence); the "
                      f"DeltaNet state is {format_bytes(state)} at any length")
-        return [PlanPart("kv_cache", device, kv, kv_bytes(self.config, tokens, kv, self.compute_format)),
+        return [PlanPart("kv_cache", device, kv, self.family.kv_bytes(self.config, tokens, kv, self.compute_format)),
                 PlanPart("deltanet_state", device, "fp32", state)], tokens
 
     def _cpu_expert_format(self, parts: list[PlanPart], cpu_layers: list[int], cpu_budget: int,
@@ -551,13 +469,13 @@ def make_plan(config: ModelConfig, tensors: Tensors, preset: str = "auto", weigh
     (torch.cuda.mem_get_info, /proc/meminfo MemAvailable, torch.cuda.is_available)."""
     _check_choice("preset", preset, PRESET_NAMES)
     _check_choice("weight_format", weight_format, WEIGHT_FORMATS)
-    _check_choice("kv_cache", kv_cache, KV_CACHES)
-    _check_choice("compute format", compute_format, COMPUTE_FORMATS)
+    _check_choice("kv_cache", kv_cache, KV_FORMATS)
+    _check_choice("compute format", compute_format, tuple(FLOAT_FORMATS))
     limit = config.text.max_position_embeddings
     if max_context is not None and not (isinstance(max_context, int) and 1 <= max_context <= limit):
         raise PlacementError(f"max_context {max_context!r} is out of range: expected 1 to {limit} (the model's "
                              "max_position_embeddings), or leave it unset for the preset's default.")
-    inv = Inventory(tensors)
+    inv = Inventory(tensors, family_for(config.model_type).classify)
     if weight_format == "fp8" and inv.expert_layers and not inv.experts_fp8:
         raise PlacementError("weight_format 'fp8' keeps the checkpoint's FP8 experts, but this checkpoint stores "
                              "them unquantised; use int8, int4 or bf16 (or auto), or load the model's FP8 release.")

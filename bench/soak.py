@@ -28,7 +28,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from a3b_core import EncodedImages, load_model  # noqa: E402
-from a3b_core.cache import Cache  # noqa: E402
+from a3b_core.models.qwen3_5.cache import Cache  # noqa: E402
 
 MAX_GROWTH = 0.05
 MIX = 15  # the generation pattern below repeats with this period

@@ -253,7 +253,7 @@ def main() -> None:
     if args.llama_cpp is not None:
         args.llama_cpp = Path(args.llama_cpp).expanduser().resolve()
 
-    env = os.environ | {"OMP_NUM_THREADS": str(args.threads),
+    env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "A3B_KEEP_HEAP": "1",
                         "A3B_CACHE_DIR": os.environ.get("A3B_CACHE_DIR", str(bench_dir() / "a3b-cache"))}
     if args.profile:
         profile(args, env)

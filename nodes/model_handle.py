@@ -4,14 +4,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 import a3b_core
+from a3b_core.options import LoadOptions
+from a3b_core.placement import PRESETS, GiB
 
 from . import comfy_bridge as bridge
 
-PRESETS = ["auto", "8gb", "12gb", "16gb", "24gb", "48gb", "cpu"]
-WEIGHT_FORMATS = ["auto", "fp8", "bf16", "int8", "int4"]
-KV_CACHE_TYPES = ["auto", "bf16", "int8"]
-_GIB = 1024**3
 _UNLOAD_EVERYTHING = 1e30  # "auto" plans against all the memory the device has, so other models make room first
 
 
@@ -21,7 +21,7 @@ def preset_budget_bytes(preset: str) -> float:
         return 0
     if preset == "auto":
         return _UNLOAD_EVERYTHING
-    return int(preset.removesuffix("gb")) * _GIB
+    return PRESETS[preset].vram_gib * GiB
 
 
 class A3BModelHandle:
@@ -31,12 +31,11 @@ class A3BModelHandle:
     `acquire` then loads it again with the same settings, so a cached Loader output never dangles.
     """
 
-    def __init__(self, path: str, preset: str, load_options: dict[str, Any], keep_loaded: bool,
-                 loader_node: str | None = None):
+    def __init__(self, path: str, options: LoadOptions, keep_loaded: bool, loader_node: str | None = None):
+        """`options.device` "auto" means ComfyUI's own device."""
         self.path = path
         self.loader_node = loader_node  # the Loader node that made this handle, where the plan is shown
-        self.preset = preset
-        self.load_options = load_options
+        self.options = options
         self.keep_loaded = keep_loaded
         self.plan_table = ""
         self.plan_summary = ""
@@ -59,12 +58,11 @@ class A3BModelHandle:
         return self._model
 
     def _load(self, progress: Callable[[int, int], None] | None) -> None:
-        device = bridge.engine_device()
-        if self.preset != "cpu":
-            bridge.free_device_memory(preset_budget_bytes(self.preset), device)
+        device = bridge.engine_device() if self.options.device == "auto" else torch.device(self.options.device)
+        if self.options.preset != "cpu":
+            bridge.free_device_memory(preset_budget_bytes(self.options.preset), device)
         before = bridge.device_bytes_in_use(device)
-        model = a3b_core.load_model(self.path, preset=self.preset, progress=progress, device=device,
-                                    **self.load_options)
+        model = a3b_core.load_model(self.path, progress=progress, **(self.options.as_kwargs() | {"device": device}))
         self._model = model
         self.plan_table = str(model.plan)
         self.plan_summary = model.plan.summary()

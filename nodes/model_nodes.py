@@ -1,13 +1,22 @@
 """A3B Model Loader."""
 from __future__ import annotations
 
+import torch
+
+from a3b_core.options import KV_FORMATS, PRESET_NAMES, WEIGHT_FORMATS, LoadOptions
+
 from . import comfy_bridge as bridge
 from .comfy_bridge import io
 from .model_folders import DEMO_MODEL, loader_choices, resolve_model
-from .model_handle import KV_CACHE_TYPES, PRESETS, WEIGHT_FORMATS, A3BModelHandle
+from .model_handle import A3BModelHandle
 from .wires import ModelWire
 
 CATEGORY = "A3B"
+
+
+def device_choices() -> list[str]:
+    """'auto' (ComfyUI's device), each CUDA GPU torch sees, and the CPU."""
+    return ["auto", *(f"cuda:{index}" for index in range(torch.cuda.device_count())), "cpu"]
 
 
 class A3BModelLoader(io.ComfyNode):
@@ -24,21 +33,27 @@ class A3BModelLoader(io.ComfyNode):
                                tooltip="A model folder in ComfyUI/models/LLM (config.json, tokenizer.json and "
                                        "*.safetensors, as released), or a small built-in demo model: 'a3b-demo' "
                                        "(BF16) or 'a3b-demo-fp8' (the official FP8 layout)."),
-                io.Combo.Input("vram_preset", options=PRESETS, default="auto",
+                io.Combo.Input("vram_preset", options=list(PRESET_NAMES), default="auto",
                                tooltip="GPU memory the model may use. 'auto' measures the free VRAM (other models "
                                        "are unloaded first); a size keeps within that budget, putting experts in "
                                        "system RAM when needed; 'cpu' runs everything on the CPU."),
-                io.Combo.Input("weight_format", options=WEIGHT_FORMATS, default="auto",
-                               tooltip="How weights are held in memory. 'auto' keeps the checkpoint's format (BF16 "
-                                       "or the official FP8); int8/int4 trade some accuracy for less memory."),
-                io.Combo.Input("kv_cache", options=KV_CACHE_TYPES, default="auto",
-                               tooltip="Format of the attention cache. int8 halves its memory for long contexts."),
+                io.Combo.Input("weight_format", options=list(WEIGHT_FORMATS), default="auto",
+                               tooltip="How the routed experts kept in system RAM are held. 'auto': int8 (int4 when "
+                                       "RAM is short); fp8 keeps the official FP8 release's experts as released; "
+                                       "int8/int4 trade some accuracy for less memory; bf16/fp32 are exact."),
+                io.Combo.Input("kv_cache", options=list(KV_FORMATS), default="auto",
+                               tooltip="Format of the attention cache. 'auto': the compute dtype (bf16). int8 halves "
+                                       "its memory for long contexts."),
                 io.Int.Input("max_context", default=0, min=0, max=262144, step=1024,
                              tooltip="Longest prompt + answer in tokens the cache is sized for. 0 = the engine's "
                                      "default for the chosen preset."),
                 io.Boolean.Input("keep_loaded", default=True,
                                  tooltip="On: the model stays in memory between runs (ComfyUI still unloads it when "
                                          "another model needs the memory). Off: freed after every generation."),
+                # last, and optional: workflows saved before it existed keep their widget values in place
+                io.Combo.Input("device", options=device_choices(), default="auto", optional=True,
+                               tooltip="Where the model runs. 'auto': ComfyUI's own device (its --cpu and "
+                                       "--cuda-device settings hold); or one of the GPUs torch sees; or the CPU."),
             ],
             outputs=[ModelWire.Output(display_name="model", tooltip="The loaded model, for Image Encode and "
                                                                    "Generate.")],
@@ -47,10 +62,11 @@ class A3BModelLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: str, vram_preset: str, weight_format: str, kv_cache: str, max_context: int,
-                keep_loaded: bool) -> io.NodeOutput:
+                keep_loaded: bool, device: str = "auto") -> io.NodeOutput:
         path = resolve_model(model, bridge.llm_roots())
-        options = {"weight_format": weight_format, "kv_cache": kv_cache, "max_context": max_context or None}
-        handle = A3BModelHandle(path, vram_preset, options, keep_loaded, loader_node=cls.hidden.unique_id)
+        options = LoadOptions(preset=vram_preset, weight_format=weight_format, kv_cache=kv_cache,
+                              max_context=max_context or None, device=device)
+        handle = A3BModelHandle(path, options, keep_loaded, loader_node=cls.hidden.unique_id)
         progress = bridge.Progress(1)
         handle.acquire(progress=lambda done, total: progress.set(done, total))
         return io.NodeOutput(handle, ui={"a3b_plan": [handle.plan_summary], "a3b_plan_table": [handle.plan_table]})

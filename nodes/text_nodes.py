@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from a3b_core.options import RESIZE_MODES
+
 from . import comfy_bridge as bridge
 from .comfy_bridge import io
 from .generation import generate_answers, speed_line
@@ -13,7 +15,6 @@ from .prompt_spec import MODES, SINGLE, PromptSpec, build_prompts
 from .wires import ImagesWire, ModelWire, PromptWire
 
 CATEGORY = "A3B"
-RESIZE_MODES = ["stretch", "letterbox", "crop", "native"]
 _MAX_SEED = 2**63 - 1
 
 
@@ -32,7 +33,7 @@ class A3BImageEncode(io.ComfyNode):
                 io.Int.Input("size", default=384, min=64, max=2048, step=32,
                              tooltip="Side length in pixels the images are resized to (a multiple of 32). Larger "
                                      "sizes show more detail and cost more image tokens. Ignored by 'native'."),
-                io.Combo.Input("resize", options=RESIZE_MODES, default="stretch",
+                io.Combo.Input("resize", options=list(RESIZE_MODES), default="stretch",
                                tooltip="stretch: squash to size x size; letterbox: fit inside and pad; crop: fill "
                                        "and cut the overhang; native: keep the image's own size (within the "
                                        "model's pixel limits, rounded to 32)."),

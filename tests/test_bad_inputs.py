@@ -39,7 +39,7 @@ from tokenizers import models as tokenizer_models
 from a3b_core import (A3BError, ChatPrompt, CheckpointError, ConfigError, EncodedImages, GenerationError, ImageError,
                       ModelReleasedError, PlacementError, PromptError, Turn, load_model)
 from a3b_core.checkpoint import PICKLE_SUFFIXES, read_header
-from a3b_core.config import parse_config
+from a3b_core.models import parse_config
 from a3b_core.image import resize_image
 from a3b_core.prompt import Prompt
 from tests.test_image import prophoto_rgb_icc

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from a3b_core.config import MAX_LAYERS, StoredLayers, load_config, parse_config
+from a3b_core.config import MAX_LAYERS, StoredLayers
+from a3b_core.models import load_config, parse_config
 from a3b_core.errors import ConfigError
 
 TEXT = {

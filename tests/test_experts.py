@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from a3b_core import load_model
-from a3b_core.experts import QuantizedStack
+from a3b_core.backends.experts import QuantizedStack
 
 FORMAT_BYTES_VS_BF16 = {"int8": (0.49, 0.52), "int4": (0.26, 0.29), "fp8": (0.49, 0.52)}
 

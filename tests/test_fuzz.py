@@ -28,10 +28,12 @@ from safetensors.torch import save_file
 
 from a3b_core import load_model
 from a3b_core.checkpoint import Checkpoint, read_header
-from a3b_core.config import MAX_LAYERS, ModelConfig, load_config, parse_config
+from a3b_core.config import MAX_LAYERS, ModelConfig
+from a3b_core.models import load_config, parse_config
 from a3b_core.errors import CheckpointError, ConfigError, ImageError, PromptError
 from a3b_core.image import MAX_INPUT_PIXELS, load_image
-from a3b_core.prompt import IMAGE_MARKER, Turn, build_prompt
+from a3b_core.models.qwen3_5.chat_template import build_prompt
+from a3b_core.prompt import IMAGE_MARKER, Turn
 from a3b_core.tokenizer import Tokenizer, check_against_config
 from bench.soak import run_soak
 from nodes.captions import save_captions

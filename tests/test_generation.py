@@ -4,10 +4,12 @@ import pytest
 import torch
 
 from a3b_core import ChatPrompt, EncodedImages, GenerationError, PromptError, load_model
-from a3b_core.cache import INT8_LOGIT_TOLERANCE, Cache
+from a3b_core.models.qwen3_5.cache import Cache
 from a3b_core.generation import (BUDGET_CLOSE, SequenceOutput, generate, generate_batch,
                                  split_reasoning)
 from a3b_core.prompt import Prompt
+
+INT8_LOGIT_TOLERANCE = 0.02  # max |logit difference| / std(logits) vs the fp32 cache
 
 GEN_TOKENS = 32
 
@@ -140,7 +142,7 @@ def test_int8_cache_logits_within_the_stated_bound(model, fixtures, group):
     tokens = refs[f"{group}.output_ids"][0]
     logits = {kv: teacher_forced_logits(model, prompt, tokens, kv) for kv in (None, "int8")}
     error = (logits["int8"] - logits[None]).abs().max()
-    assert 0 < error <= INT8_LOGIT_TOLERANCE * logits[None].std()
+    assert 0 < error <= INT8_LOGIT_TOLERANCE * logits[None].std()  # the bound models/qwen3_5/cache.py states
 
 
 def teacher_forced_logits(model, prompt: ChatPrompt, tokens: torch.Tensor, kv_dtype) -> torch.Tensor:

@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from a3b_core import load_model
 from a3b_core.engine import DEMO_MODELS
-from a3b_core.experts import FLOAT_FORMATS, Fp8Linear, QuantizedExperts, quantize_fp8
+from a3b_core.backends.experts import Fp8Linear, QuantizedExperts, quantize_fp8
+from a3b_core.options import FLOAT_FORMATS
 from a3b_core.placement import CUDA_CONTEXT_BYTES, plan_for_folder
 from tests.fake_cuda import FakeCuda
 
@@ -201,9 +202,9 @@ def test_fp8_dense_layers_compute_on_the_gpu():
 
 def test_int4_experts_are_refused_on_the_gpu(folders, monkeypatch):
     from a3b_core.checkpoint import Checkpoint
-    from a3b_core.config import load_config
+    from a3b_core.models import load_config
     from a3b_core.errors import PlacementError
-    from a3b_core.weights import load_quantized_experts
+    from a3b_core.models.qwen3_5.weights import load_quantized_experts
 
     folder = folders["moe_fused_bf16"]
     config = load_config(folder)

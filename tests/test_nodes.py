@@ -18,7 +18,9 @@ from nodes.generation import generate_answers, speed_line
 from nodes.image_batch import encode_image_batch
 from nodes.live_text import LiveText
 from nodes.model_folders import DEMO_MODEL, list_model_folders, loader_choices, resolve_model
-from nodes.model_handle import PRESETS, preset_budget_bytes
+from a3b_core.options import PRESET_NAMES
+from a3b_core.placement import PRESETS
+from nodes.model_handle import preset_budget_bytes
 from nodes.prompt_spec import PromptSpec, build_prompts
 from tests.test_bad_inputs import FIX
 
@@ -262,8 +264,11 @@ def test_the_engine_runs_on_comfyuis_device_when_it_is_a_cuda_gpu(comfy_device: 
 
 
 def test_preset_budgets() -> None:
-    assert PRESETS == ["auto", "8gb", "12gb", "16gb", "24gb", "48gb", "cpu"]
+    """The preset names spelled once (a3b_core.options) are the planner's, and each frees what it plans for."""
+    assert set(PRESET_NAMES) == {"auto", "cpu", *PRESETS}
     assert preset_budget_bytes("cpu") == 0
-    assert preset_budget_bytes("12gb") == 12 * 1024**3
+    for name, preset in PRESETS.items():
+        assert preset_budget_bytes(name) == preset.vram_gib * 1024**3
     assert preset_budget_bytes("auto") > 1024**4  # everything: other models make room first
+
 

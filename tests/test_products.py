@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from a3b_core import load_model
-from a3b_core.experts import FloatExperts
-from a3b_core.packed import PackedLinear, packing_available
-from a3b_core.products import FusedLinear, linear
+from a3b_core.backends.experts import CpuFloatExperts
+from a3b_core.backends.packed import PackedLinear, packing_available
+from a3b_core.backends.products import FusedLinear, linear
 
 
 def bf16_rounded_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -56,7 +56,8 @@ def test_bf16_cpu_load_fuses_projections_packs_vision_and_fp32_neither(fixtures)
     owners = [m for m in text.modules() if hasattr(m, "input_projections")]
     assert len(owners) == 2 * len(text.layers)  # each layer's mixer and MoE
     assert all(isinstance(m.fused_projection, FusedLinear) for m in owners)
-    assert sum(isinstance(m, FloatExperts) for m in text.modules()) == len(text.layers)
+    assert sum(isinstance(m, CpuFloatExperts) for m in text.modules()) == len(text.layers)
+    assert not any(isinstance(m, torch.nn.Linear) for m in text.modules())  # each took the matrix-vector route
     if packing_available():
         assert not any(isinstance(m, torch.nn.Linear) for m in model.vision.modules())
     fp32 = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32")

@@ -11,7 +11,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 
 from a3b_core.errors import PromptError
-from a3b_core.prompt import IMAGE_MARKER, Prompt, Turn, build_prompt, count_image_markers
+from a3b_core.models.qwen3_5.chat_template import build_prompt
+from a3b_core.prompt import IMAGE_MARKER, Prompt, Turn, count_image_markers
 from a3b_core.tokenizer import Tokenizer
 from tests.tiny_tokenizer import build_tiny_tokenizer
 

@@ -6,8 +6,8 @@ import torch
 
 from a3b_core import load_model
 from a3b_core.engine import resolve_compute_dtype
-from a3b_core import model as model_module
-from a3b_core.model import FP16_LIMIT, SparseMoE, rotary_cos_sin
+from a3b_core.models.qwen3_5 import text as model_module
+from a3b_core.models.qwen3_5.text import FP16_LIMIT, rotary_cos_sin
 
 LAYOUTS = ["moe_hf", "moe_fused_bf16", "moe_fp8", "moe_text", "dense"]
 TOL = 1e-4
@@ -18,8 +18,20 @@ def models(fixtures):
     return {name: load_model(getattr(fixtures, name), preset="cpu", compute_dtype="float32") for name in LAYOUTS}
 
 
-def router_choices(model) -> list[torch.Tensor]:
-    return [layer.mlp.last_topk for layer in model.text.layers if isinstance(layer.mlp, SparseMoE)]
+def logits_and_router_choices(model, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The logits, and each MoE layer's top-k experts per token, read from its router's output by a forward hook
+    (in fp32 the router is its own Linear, `mlp.gate`)."""
+    chosen, hooks = [], []
+    for layer in model.text.layers:
+        if hasattr(layer.mlp, "experts"):
+            k = model.config.text.num_experts_per_tok
+            hooks.append(layer.mlp.gate.register_forward_hook(
+                lambda _module, _inputs, out, k=k: chosen.append(out.float().topk(k, dim=-1).indices)))
+    try:
+        return model.logits(ids), chosen
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -27,12 +39,12 @@ def test_text_logits_and_router_match_reference(fixtures, models, layout):
     model, refs = models[layout], fixtures.refs(getattr(fixtures, layout))
     ids = refs["text.input_ids"]
     assert ids.shape == (2, 80)  # a batch of 2, longer than one 64-token DeltaNet chunk
-    logits = model.logits(ids)
+    logits, router_choices = logits_and_router_choices(model, ids)
     assert logits.dtype == torch.float32
     torch.testing.assert_close(logits, refs["text.logits"], atol=TOL, rtol=0)
-    if model.config.text.is_moe:
-        for i, chosen in enumerate(router_choices(model)):
-            assert torch.equal(chosen, refs[f"text.router_topk_L{i}"]), f"layer {i} router choices differ"
+    assert len(router_choices) == (4 if model.config.text.is_moe else 0)
+    for i, chosen in enumerate(router_choices):
+        assert torch.equal(chosen, refs[f"text.router_topk_L{i}"]), f"layer {i} router choices differ"
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
-from a3b_core.config import parse_config
+from a3b_core.models import parse_config
 from a3b_core.errors import CheckpointError, ConfigError
 from a3b_core.tokenizer import SPECIAL_TOKENS, StreamDecoder, Tokenizer, check_against_config
 from tests.tiny_models import MOE_DIMS, TEXT_DIMS, TOKEN_IDS, VISION_DIMS

@@ -18,7 +18,8 @@ import torch
 
 from a3b_core import load_model
 from a3b_core.checkpoint import DTYPES
-from a3b_core.placement import GiB, cache_row_bytes
+from a3b_core.models.qwen3_5.sizes import deltanet_state_bytes, kv_bytes
+from a3b_core.placement import GiB
 from tests.fake_cuda import FakeCuda
 from tests.test_placement import DATA, inventory
 
@@ -138,7 +139,8 @@ def test_a_prompt_ending_at_the_full_context_prefills_within_the_workspace(cut_3
 def test_a_per_image_batch_fits_the_planned_cache_and_workspace(cut_35b):
     model, fake = load_on_fake_gpu(cut_35b, "fp8", "8gb")
     plan = model.plan
-    rows_that_fit = plan.cache_bytes // cache_row_bytes(model.config, 300 + 2, "bf16", "bf16")
+    rows_that_fit = plan.cache_bytes // (kv_bytes(model.config, 300 + 2, "bf16", "bf16")
+                                         + deltanet_state_bytes(model.config))
     assert 4 <= rows_that_fit < 16  # 16 prompts of 300 tokens need more than one batch
     with fake:
         before = fake.memory.live

@@ -43,13 +43,14 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..config import parse_config
 from ..image import to_patches
-from ..model import TextModel
-from ..positions import mrope_position_ids
-from ..prompt import Turn, build_prompt
+from ..models import parse_config
+from ..models.qwen3_5.chat_template import build_prompt
+from ..models.qwen3_5.positions import mrope_position_ids
+from ..models.qwen3_5.text import TextModel
+from ..models.qwen3_5.vision import VisionTower
+from ..prompt import Turn
 from ..tokenizer import Tokenizer
-from ..vision import VisionTower
 from . import dataset
 from .build_tokenizer import build_demo_tokenizer
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .config import VisionConfig
-from .errors import ConfigError, ImageError
+from ...errors import ConfigError, ImageError
 
 LAYER_NORM_EPS = 1e-6
 

@@ -1,21 +1,28 @@
-"""Routed-expert weights in one storage format per layer: float, FP8 (as released), int8 or int4 (weight-only).
-
-Every format offers the same two products, `gate_up(e, x)` and `down(e, x)` (x @ W_e^T), so the MoE layer's grouping
-loop does not care how the weights are stored. int8/int4 use torch's CPU weight-only kernels, which want bf16
-activations; FP8 is dequantised per use (only the experts a token picked).
+"""Routed-expert stores: one layer's experts in one storage format, FP8 as released or converted to int8 or int4
+(weight-only), and the CPU form of float experts. Every store offers the same interface as the model's own float
+experts: `device` (where the layer's experts are computed), `gate_up(e, x)` and `down(e, x)` (x @ W_e^T), so the MoE
+layer's loop does not care how the weights are stored. int8/int4 use torch's CPU weight-only kernels, which want bf16
+activations; FP8 is dequantised per use (only the experts a token picked). Also Fp8Linear, a dense layer kept FP8.
 """
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .checkpoint import dequantize_fp8
+from .. import devices
+from ..checkpoint import dequantize_fp8
+from ..errors import PlacementError
 from .products import linear
 
-FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-EXPERT_FORMATS = (*FLOAT_FORMATS, "fp8", "int8", "int4")
 FP8_BLOCK = 128
+CONVERTED_FORMATS = ("int8", "int4")  # converted once at load and cached; FP8 is kept as released
 # torch's int8 CPU kernel costs about one whole matrix-vector product per input row (27 us per row at 1024x1024 on
 # an AVX-512 EPYC), so from this many rows on, dequantising to bf16 and one bf16 product is faster (2.2x at 128).
 INT8_KERNEL_MAX_ROWS = 32
@@ -24,14 +31,13 @@ INT8_KERNEL_MAX_ROWS = 32
 INT8_K_CHUNK = 512
 
 
-class FloatExperts(nn.Module):
-    """Fused expert tensors as in the official BF16 release: gate_up_proj [E, 2I, H] (gate rows first), down_proj
-    [E, H, I]. Also the trainable form (the demo model is trained with these parameters)."""
+class CpuFloatExperts(nn.Module):
+    """Float experts on the CPU, their products of one or two rows through the matrix-vector kernel (products.py).
+    Same tensors, same names as the model's own float experts, whose place it takes."""
 
-    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype | None = None):
+    def __init__(self, gate_up_proj: nn.Parameter, down_proj: nn.Parameter):
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype))
+        self.gate_up_proj, self.down_proj = gate_up_proj, down_proj
 
     @property
     def device(self) -> torch.device:
@@ -186,3 +192,59 @@ class Fp8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, dequantize_fp8(self.q, self.scale, block=self.block, dtype=x.dtype))
+
+
+ExpertMatrix = Callable[[str, int], torch.Tensor]  # (which, expert) -> fp32 [out, in]; which: gate_up_proj / down_proj
+ReleasedFp8 = Callable[[str, int], "tuple[torch.Tensor, torch.Tensor] | None"]  # -> (e4m3 matrix, block scales)
+
+
+def convert_experts(fmt: str, shape: tuple[int, int, int], matrix: ExpertMatrix, released_fp8: ReleasedFp8,
+                    device: torch.device, cache_file: Path | None, release: Callable[[], None]) -> QuantizedExperts:
+    """One layer's routed experts (num_experts, hidden, intermediate) in `fmt` on `device`. FP8 keeps the released
+    matrices where `released_fp8` has them; int8/int4 come from `cache_file` when it holds them, else they are
+    converted one expert at a time from `matrix` and written to it (a cache that cannot be written only costs the
+    next load a conversion). `release()` then drops the checkpoint's pages: the converted copy is all that stays."""
+    if fmt == "int4" and device.type != "cpu":
+        raise PlacementError(f"int4 routed experts can only be computed by the CPU (torch's CPU int4 kernel), not on "
+                             f"{device}; keep them in RAM, or put fp8/bf16 experts on the GPU.")
+    experts = QuantizedExperts(fmt, *shape, "cpu")
+    state = experts.state_dict()
+    cached = read_cache(cache_file) if fmt in CONVERTED_FORMATS else {}
+    if cached.keys() == state.keys() and all(cached[k].shape == state[k].shape for k in state):
+        experts.load_state_dict(cached)
+        return devices.move(experts, device)
+    for which, stack in (("gate_up_proj", experts.gate_up_proj), ("down_proj", experts.down_proj)):
+        for e in range(shape[0]):
+            stored = released_fp8(which, e) if fmt == "fp8" else None
+            if stored is not None:
+                stack.set_fp8(e, *stored)
+            else:
+                stack.set(e, matrix(which, e))
+    release()
+    if fmt in CONVERTED_FORMATS and cache_file is not None:
+        try:
+            write_atomically(cache_file, lambda tmp: save_file(experts.state_dict(), tmp))
+        except OSError:
+            pass
+    return devices.move(experts, device)
+
+
+def read_cache(cache_file: Path | None) -> dict[str, torch.Tensor]:
+    if cache_file is None or not cache_file.is_file():
+        return {}
+    try:
+        return load_file(cache_file)
+    except Exception:  # a damaged cache file (the library raises its own error type): convert again
+        return {}
+
+
+def write_atomically(path: Path, write: Callable[[str], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

@@ -7,29 +7,18 @@ Keys and values are stored in the compute dtype ("auto"), in another float forma
 element is within scale / 2 = absmax / 254 of its exact value (round to nearest). When the stored format is not the
 compute dtype, each layer's cached prefix is converted into one shared scratch pair in the compute dtype just before
 its attention, so the int8 cache costs (head_dim + 4) / (head_dim * compute bytes) of the float cache, plus one
-layer's float keys and values. Logit error: on the test models, 32 cached decode steps with the int8 cache stay within
-INT8_LOGIT_TOLERANCE x the standard deviation of the fp32-cache logits (1.0% on the test models); real models have not been
-measured.
+layer's float keys and values. Stated logit error: 32 cached decode steps with the int8 cache stay within 0.02 x the
+standard deviation of the fp32-cache logits (1.0% measured on the test models; real models have not been measured).
 """
 from __future__ import annotations
 
 import torch
 
 from .config import TextConfig
-from .errors import GenerationError, PromptError
+from ...errors import PromptError
+from ...options import FLOAT_FORMATS, checked_kv_format
 
-FLOAT_KV_FORMATS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-KV_FORMATS = ("auto", *FLOAT_KV_FORMATS, "int8")  # "auto" (or None): the compute dtype
 INT8_MAX = 127
-INT8_LOGIT_TOLERANCE = 0.02  # stated bound on max |logit difference| / std(logits) vs the fp32 cache
-
-
-def checked_kv_format(kv_dtype: str | None) -> str:
-    """A KV cache format name (None means "auto"), refused with a GenerationError if unknown."""
-    if kv_dtype is not None and kv_dtype not in KV_FORMATS:
-        raise GenerationError(f"kv_dtype is {kv_dtype!r}; use one of {', '.join(KV_FORMATS)} (auto: the compute "
-                              "dtype; int8: about half the memory of a bfloat16 cache).")
-    return kv_dtype or "auto"
 
 
 class Cache:
@@ -37,7 +26,7 @@ class Cache:
                  device: torch.device | str = "cpu", kv_dtype: str | None = None):
         kv_format = checked_kv_format(kv_dtype)
         self.quantised = kv_format == "int8"
-        store = torch.int8 if self.quantised else FLOAT_KV_FORMATS.get(kv_format, dtype)
+        store = torch.int8 if self.quantised else FLOAT_FORMATS.get(kv_format, dtype)
         self.max_len = max_len
         self.length = 0
         self.padded = False  # whether any row has padding, so attention needs the mask

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .errors import PromptError
+from ...errors import PromptError
 
 
 def mrope_position_ids(input_ids: Tensor, image_grids: list[tuple[int, int, int]], image_token_id: int,

@@ -1,8 +1,8 @@
 """The vision tower's bf16 matrices re-laid-out once for oneDNN's CPU matmul ("packed" into its blocked weight format).
 
-Measured on an AVX-512 (bf16) EPYC: a product of many rows (the vision tower's are hundreds of patches) reads a
-packed bf16 matrix about 1.3-1.4x faster than torch's default bf16 path, and results are the same to the bit. The
-text model is not packed: decoding multiplies single rows, which products.py runs faster on plain matrices. Only
+A product of many rows (the vision tower's are hundreds of patches) reads a packed bf16 matrix faster than torch's
+default bf16 path (1.3-1.4x on an AVX-512 EPYC, in the README), and the results are the same to the bit. The text
+model is not packed: decoding multiplies single rows, which products.py runs faster on plain matrices. Only
 bf16 matrices on the CPU are packed, one at a time, and the checkpoint's mapped pages of each are dropped once it is
 packed, so loading never holds two copies. Where oneDNN is missing or refuses, the plain weights stay.
 """

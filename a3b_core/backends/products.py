@@ -1,11 +1,10 @@
 """The text model's matrix products on the CPU: bf16 products of one or two rows as matrix-vector products, and
 input projections fused into one matrix.
 
-Where the CPU has AVX-512 bf16, torch hands every bf16 matmul to oneDNN, which reads a [out, in] matrix for a single
-input row at about 20 GB/s on an AVX-512 (bf16) EPYC. With oneDNN switched off for that one call, torch's own bf16
-matrix-vector kernel (fp32 accumulation) reads it at about 30 GB/s, near the memory bandwidth: decoding one sequence
-runs ~1.3x faster. That kernel runs once per input row, though: at two rows it still beats oneDNN on a plain matrix
-(~1.2x), from three on oneDNN is faster.
+Where the CPU has AVX-512 bf16, torch hands every bf16 matmul to oneDNN, whose kernel for a single input row reads
+the matrix more slowly than torch's own bf16 matrix-vector kernel (fp32 accumulation), which runs near the memory
+bandwidth. That kernel runs once per input row, though, so it only pays up to GEMV_MAX_ROWS rows. The measurements
+are in the README's benchmark section.
 """
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-GEMV_MAX_ROWS = 2
+GEMV_MAX_ROWS = 2  # tuned on an AVX-512 (bf16) EPYC: at two rows the matrix-vector kernel still wins, at three not
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -33,11 +32,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-class Linear(nn.Linear):
-    """The text model's bias-free Linear, its product through `linear`."""
+class CpuLinear(nn.Module):
+    """A bias-free Linear on the CPU, its product through `linear`; it holds the same weight under the same name as
+    the nn.Linear whose place it takes."""
 
-    def __init__(self, dim_in: int, dim_out: int):
-        super().__init__(dim_in, dim_out, bias=False)
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight)

@@ -13,8 +13,6 @@ from torch import nn
 
 from .cache import Cache
 from .config import TextConfig
-from .experts import FloatExperts, QuantizedExperts
-from .products import Linear
 
 GDN_CHUNK = 64
 FP16_LIMIT = 65000.0  # below fp16's largest value, 65504 (fp16 is the compute dtype of GPUs without bf16)
@@ -45,9 +43,14 @@ class ZeroCentredRMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def projection(dim_in: int, dim_out: int) -> nn.Linear:
+    """A bias-free Linear: every matrix of the text model is one."""
+    return nn.Linear(dim_in, dim_out, bias=False)
+
+
 def project(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     """x times each Linear named in `module.input_projections` (all read the same input). Loading may replace them
-    by one fused product, `module.fused_projection` (products.py), which returns the same parts."""
+    by one fused product, `module.fused_projection` (backends/products.py), which returns the same parts."""
     if module.fused_projection is not None:
         return module.fused_projection(x)
     return [module.get_submodule(name)(x) for name in module.input_projections]
@@ -95,10 +98,10 @@ class GatedAttention(nn.Module):
         self.fused_projection: nn.Module | None = None
         self.cfg, self.layer = cfg, layer
         nh, nkv, hd, h = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-        self.q_proj = Linear(h, nh * hd * 2)  # per head: hd query channels, then hd gate channels
-        self.k_proj = Linear(h, nkv * hd)
-        self.v_proj = Linear(h, nkv * hd)
-        self.o_proj = Linear(nh * hd, h)
+        self.q_proj = projection(h, nh * hd * 2)  # per head: hd query channels, then hd gate channels
+        self.k_proj = projection(h, nkv * hd)
+        self.v_proj = projection(h, nkv * hd)
+        self.o_proj = projection(nh * hd, h)
         self.q_norm = ZeroCentredRMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = ZeroCentredRMSNorm(hd, cfg.rms_norm_eps)
 
@@ -169,17 +172,17 @@ class GatedDeltaNet(nn.Module):
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim, self.value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
-        self.in_proj_qkv = Linear(h, self.conv_dim)
-        self.in_proj_z = Linear(h, self.value_dim)
-        self.in_proj_b = Linear(h, self.nv)
-        self.in_proj_a = Linear(h, self.nv)
+        self.in_proj_qkv = projection(h, self.conv_dim)
+        self.in_proj_z = projection(h, self.value_dim)
+        self.in_proj_b = projection(h, self.nv)
+        self.in_proj_a = projection(h, self.nv)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, cfg.linear_conv_kernel_dim, groups=self.conv_dim,
                                 bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(self.dv))
-        self.out_proj = Linear(self.value_dim, h)
+        self.out_proj = projection(self.value_dim, h)
 
     def forward(self, x: torch.Tensor, cache: Cache | None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -282,6 +285,28 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = GDN_CHUNK):
 
 
 # ----------------------------------------------------------------------------------------------------- mlps
+class FloatExperts(nn.Module):
+    """Fused expert tensors as in the official BF16 release: gate_up_proj [E, 2I, H] (gate rows first), down_proj
+    [E, H, I]. Also the trainable form (the demo model is trained with these parameters). Every expert store offers
+    its interface: `device` (where the layer's experts are computed), `gate_up(e, x)` and `down(e, x)`."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, dtype: torch.dtype | None = None):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * inter, hidden, dtype=dtype))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, inter, dtype=dtype))
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate_up_proj.device
+
+    # the product runs in the experts' own dtype (the plan's format, which may differ from the compute dtype)
+    def gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.gate_up_proj.dtype), self.gate_up_proj[e])
+
+    def down(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(self.down_proj.dtype), self.down_proj[e])
+
+
 class SparseMoE(nn.Module):
     """Softmax router, top-k renormalised, SwiGLU experts, plus a shared expert scaled by a sigmoid gate."""
     input_projections = ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")
@@ -291,11 +316,10 @@ class SparseMoE(nn.Module):
         self.fused_projection: nn.Module | None = None
         self.cfg = cfg
         h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
-        self.gate = Linear(h, e)
-        self.experts: FloatExperts | QuantizedExperts = FloatExperts(e, h, i)
+        self.gate = projection(h, e)
+        self.experts = FloatExperts(e, h, i)  # loading may put another expert store in its place (backends)
         self.shared_expert = DenseMLP(h, cfg.shared_expert_intermediate_size)
-        self.shared_expert_gate = Linear(h, 1)
-        self.last_topk: torch.Tensor | None = None  # router choices of the last call, for inspection and tests
+        self.shared_expert_gate = projection(h, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -304,7 +328,6 @@ class SparseMoE(nn.Module):
         # the top-k of a softmax, renormalised, is the softmax of the top-k logits
         top_logits, top_i = router.float().topk(self.cfg.num_experts_per_tok, dim=-1)
         top_p = torch.softmax(top_logits, dim=-1).to(x.dtype)
-        self.last_topk = top_i
         out = self.routed_experts(x, top_i, top_p)
         shared = self.shared_expert.down_proj(silu_mul(shared_gate, shared_up))
         out = out + torch.sigmoid(shared_scale) * shared
@@ -360,9 +383,9 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 class DenseMLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = Linear(hidden, inter)
-        self.up_proj = Linear(hidden, inter)
-        self.down_proj = Linear(inter, hidden)
+        self.gate_proj = projection(hidden, inter)
+        self.up_proj = projection(hidden, inter)
+        self.down_proj = projection(inter, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
@@ -400,7 +423,7 @@ class TextModel(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = projection(cfg.hidden_size, cfg.vocab_size)
 
     def forward(self, inputs_embeds: torch.Tensor, position_ids: torch.Tensor, cache: Cache | None = None,
                 attention_mask: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:

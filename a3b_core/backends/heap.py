@@ -1,14 +1,16 @@
-"""The C heap kept for reuse while a generation runs (Linux with glibc; elsewhere this does nothing).
+"""The C heap kept for reuse while a generation runs: an opt-in (A3B_KEEP_HEAP=1), Linux with glibc only.
 
 torch allocates CPU tensors with malloc. By default glibc gives large freed blocks back to the kernel, so each layer
-of a long prefill maps, zeroes and faults in fresh pages for temporaries of the sizes the last layer just freed:
-measured on an AVX-512 EPYC with 2 threads, a fifth or more of a 512-token bf16 prefill. While a generation runs, freed memory
-stays in the heap and is reused; when it ends, the free memory goes back to the kernel, so RSS between generations
-is what it was.
+of a long prefill maps, zeroes and faults in fresh pages for temporaries of the sizes the last layer just freed: on
+an AVX-512 EPYC with 2 threads, a fifth or more of a 512-token bf16 prefill. Opted in, freed memory stays in the heap
+while a generation runs and is reused; when it ends, the free memory goes back to the kernel, so RSS between
+generations is what it was. It is off by default because malloc's settings are process-wide: inside ComfyUI every
+other node would see them, and setting the mmap threshold ends glibc's adaptive one for the rest of the process.
 """
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,8 +36,8 @@ def _glibc() -> ctypes.CDLL | None:
 
 @contextmanager
 def heap_kept() -> Iterator[None]:
-    """Freed memory is reused inside the block and handed back to the kernel at its end."""
-    libc = _glibc()
+    """With A3B_KEEP_HEAP=1, freed memory is reused inside the block and handed back to the kernel at its end."""
+    libc = _glibc() if os.environ.get("A3B_KEEP_HEAP") == "1" else None
     if libc is None:
         yield
         return

@@ -1,0 +1,38 @@
+"""How products run where: the module swaps applied to a loaded model, so that the model files hold plain modules
+named as in the checkpoint.
+
+On the CPU (products.py, packed.py, experts.py): bf16 Linears and float experts of the text model take torch's
+matrix-vector kernel for one or two rows, input projections that read the same input are fused into one product,
+and the vision tower's bf16 matrices are packed for oneDNN. Quantised expert stores and FP8 dense layers
+(experts.py) are built by the family's loader. heap.py keeps the C heap's freed memory for reuse while a generation
+runs, when asked. The constants tuned for one CPU live in products.py and experts.py and say which CPU.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from .experts import CpuFloatExperts
+from .packed import pack_cpu_linears
+from .products import CpuLinear, fuse_input_projections
+
+
+def is_float_experts(module: nn.Module) -> bool:
+    """A family's float expert store: fused gate_up_proj / down_proj Parameters, as the BF16 releases name them."""
+    return isinstance(getattr(module, "gate_up_proj", None), nn.Parameter) and not isinstance(module, CpuFloatExperts)
+
+
+def prepare_cpu(text: nn.Module, vision: nn.Module | None, release_text: Callable[[str], None],
+                release_vision: Callable[[str], None]) -> None:
+    """The CPU's swaps on a placed model (modules on a GPU are left as they are). `release_*(name)` is told each
+    swapped module whose checkpoint pages can be dropped."""
+    fuse_input_projections(text, release_text)
+    for name, module in list(text.named_modules()):
+        parent, _, leaf = name.rpartition(".")
+        if isinstance(module, nn.Linear) and module.bias is None and module.weight.device.type == "cpu":
+            setattr(text.get_submodule(parent), leaf, CpuLinear(module.weight))
+        elif is_float_experts(module) and module.gate_up_proj.device.type == "cpu":
+            setattr(text.get_submodule(parent), leaf, CpuFloatExperts(module.gate_up_proj, module.down_proj))
+    if vision is not None:
+        pack_cpu_linears(vision, release_vision)

@@ -1,0 +1,224 @@
+"""Qwen3.5/3.6 config.json -> frozen dataclasses, accepting every key spelling the family's releases use."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ...config import (MAX_INT, ModelConfig, StoredLayers, field, layer_count, positive, positive_real, shown)
+from ...errors import ConfigError
+
+MODEL_TYPES = {
+    "qwen3_5_moe": True, "qwen3_5_moe_text": True,  # value: is MoE
+    "qwen3_5": False, "qwen3_5_text": False,
+}
+
+
+@dataclass(frozen=True)
+class TextConfig:
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    layer_types: tuple[str, ...]  # "linear_attention" | "full_attention" per layer
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rotary_dim: int
+    rope_theta: float
+    mrope_section: tuple[int, ...]
+    mrope_interleaved: bool
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_conv_kernel_dim: int
+    num_experts: int  # 0 for a dense model
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    intermediate_size: int  # dense MLP width (dense models only)
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    num_position_embeddings: int = 2304
+    out_hidden_size: int = 2048
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+
+
+def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = None,
+                      stored_layers: int | None = None) -> TextConfig:
+    top = top or {}
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or top.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: 'rope_parameters' must be an object, got {rope!r}.")
+    num_layers = layer_count(text, "num_hidden_layers", where, stored_layers, "decoder layers")
+    vocab = positive(text, "vocab_size", where)
+    hidden = positive(text, "hidden_size", where)
+    num_heads = positive(text, "num_attention_heads", where)
+    head_dim = positive(text, "head_dim", where, default=hidden // num_heads)
+
+    layer_types = text.get("layer_types")
+    if layer_types is None:
+        interval = positive(text, "full_attention_interval", where, default=4)
+        layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
+    if (not isinstance(layer_types, list) or len(layer_types) != num_layers
+            or not all(t in ("full_attention", "linear_attention") for t in layer_types)):
+        raise ConfigError(f"{where}: 'layer_types' must list {num_layers} entries, each 'full_attention' or "
+                          f"'linear_attention'; got {layer_types!r}. Use the config.json that came with the model.")
+
+    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", top.get("partial_rotary_factor", 0.25)))
+    theta = rope.get("rope_theta", text.get("rope_theta", top.get("rope_theta", 10_000_000.0)))
+    partial = positive_real(partial, "partial_rotary_factor", where, maximum=1.0)
+    theta = positive_real(theta, "rope_theta", where)
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ConfigError(f"{where}: partial_rotary_factor {partial} gives a rotary dimension of {rotary_dim} for "
+                          f"head_dim {head_dim}; expected an even number between 2 and head_dim.")
+    section = rope.get("mrope_section") or [rotary_dim // 2, 0, 0]
+    if (not isinstance(section, (list, tuple)) or len(section) != 3
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in section)):
+        raise ConfigError(f"{where}: mrope_section is {section!r}; expected three non-negative integers (t, h, w). "
+                          "Use the config.json that came with the model.")
+    section = tuple(section)
+    if sum(section) != rotary_dim // 2:
+        raise ConfigError(f"{where}: mrope_section {list(section)} sums to {sum(section)}; expected rotary_dim/2 = "
+                          f"{rotary_dim // 2}.")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only the default, unscaled rotary "
+                          "embedding); remove the rope scaling entry or use the release's config.json.")
+
+    eos = text.get("eos_token_id", top.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in eos_ids):
+        given = f"[{', '.join(map(shown, eos))}]" if isinstance(eos, list) else shown(eos)
+        raise ConfigError(f"{where}: eos_token_id is {given}; expected a token id or a list of token ids below "
+                          f"vocab_size {vocab}. Use the config.json that came with the model.")
+    experts = positive(text, "num_experts", where) if is_moe else 0
+    per_token = positive(text, "num_experts_per_tok", where) if is_moe else 0
+    if per_token > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok is {per_token} but there are only {experts} experts. Use "
+                          "the config.json that came with the model.")
+    num_kv = positive(text, "num_key_value_heads", where, default=num_heads)
+    key_heads, value_heads = (positive(text, k, where) for k in ("linear_num_key_heads", "linear_num_value_heads"))
+    for many, few, what in ((num_heads, num_kv, "num_attention_heads / num_key_value_heads"),
+                            (value_heads, key_heads, "linear_num_value_heads / linear_num_key_heads")):
+        if many % few:
+            raise ConfigError(f"{where}: {what} is {many} / {few}; the first must be a multiple of the second "
+                              "(grouped heads). Use the config.json that came with the model.")
+    return TextConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        num_layers=num_layers,
+        layer_types=tuple(layer_types),
+        num_heads=num_heads,
+        num_kv_heads=num_kv,
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        rope_theta=theta,
+        mrope_section=section,
+        mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+        linear_num_key_heads=key_heads,
+        linear_num_value_heads=value_heads,
+        linear_key_head_dim=positive(text, "linear_key_head_dim", where),
+        linear_value_head_dim=positive(text, "linear_value_head_dim", where),
+        linear_conv_kernel_dim=positive(text, "linear_conv_kernel_dim", where, default=4),
+        num_experts=experts,
+        num_experts_per_tok=per_token,
+        moe_intermediate_size=positive(text, "moe_intermediate_size", where) if is_moe else 0,
+        shared_expert_intermediate_size=positive(text, "shared_expert_intermediate_size", where) if is_moe else 0,
+        intermediate_size=0 if is_moe else positive(text, "intermediate_size", where),
+        rms_norm_eps=positive_real(field(text, "rms_norm_eps", where, default=1e-6, types=(int, float)),
+                                    "rms_norm_eps", where),
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", top.get("tie_word_embeddings", False))),
+        max_position_embeddings=positive(text, "max_position_embeddings", where, default=262144),
+        eos_token_ids=eos_ids,
+    )
+
+
+def parse_vision_config(vision: dict, where: str, stored_blocks: int | None = None) -> VisionConfig:
+    if vision.get("deepstack_visual_indexes"):
+        raise ConfigError(f"{where}: vision_config.deepstack_visual_indexes is set; deepstack vision towers "
+                          "(Qwen3-VL) are not supported, only Qwen3.5/3.6 models.")
+    return VisionConfig(
+        depth=layer_count(vision, "depth", where, stored_blocks, "vision blocks"),
+        hidden_size=positive(vision, "hidden_size", where),
+        num_heads=positive(vision, "num_heads", where),
+        intermediate_size=positive(vision, "intermediate_size", where),
+        patch_size=positive(vision, "patch_size", where, default=16),
+        temporal_patch_size=positive(vision, "temporal_patch_size", where, default=2),
+        spatial_merge_size=positive(vision, "spatial_merge_size", where, default=2),
+        in_channels=positive(vision, "in_channels", where, default=3),
+        num_position_embeddings=positive(vision, "num_position_embeddings", where, default=2304),
+        out_hidden_size=positive(vision, "out_hidden_size", where),
+        hidden_act=field(vision, "hidden_act", where, default="gelu_pytorch_tanh", types=str),
+    )
+
+
+def parse_config(raw: dict, where: str = "config.json", stored: StoredLayers | None = None) -> ModelConfig:
+    """config.json's object (its model_type one of MODEL_TYPES) -> ModelConfig; with `stored`, the layer counts
+    must match what the weights hold."""
+    model_type = raw["model_type"]
+    text = raw.get("text_config", raw)
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: 'text_config' must be an object.")
+    vision = raw.get("vision_config")
+    if vision is not None and not isinstance(vision, dict):
+        raise ConfigError(f"{where}: 'vision_config' must be an object.")
+
+    def token(key: str, default: int) -> int:
+        value = raw.get(key, text.get(key, default))
+        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
+            raise ConfigError(f"{where}: the field '{key}' is {shown(value)}; expected an integer token id. Use the "
+                              "config.json that came with the model.")
+        return value
+
+    quant = raw.get("quantization_config")
+    quant = quant if isinstance(quant, dict) else None
+    block = (quant or {}).get("weight_block_size") or [128, 128]
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block)):
+        raise ConfigError(f"{where}: quantization_config.weight_block_size is {block!r}; expected two positive "
+                          "integers such as [128, 128]. Use the config.json of the FP8 release.")
+    return ModelConfig(
+        model_type=model_type,
+        text=parse_text_config(text, where, MODEL_TYPES[model_type], raw, stored.text if stored else None),
+        vision=parse_vision_config(vision, where, stored.vision if stored else None) if vision else None,
+        image_token_id=token("image_token_id", 248056),
+        video_token_id=token("video_token_id", 248057),
+        vision_start_token_id=token("vision_start_token_id", 248053),
+        vision_end_token_id=token("vision_end_token_id", 248054),
+        quantization=quant,
+        fp8_block=tuple(block),
+        caption_prompt=field(raw, "a3b_caption_prompt", where, default=None, types=str),
+    )
+
+
+
+
+def describe(config: ModelConfig) -> list[str]:
+    """The config in a few lines, for `python -m a3b_core inspect`."""
+    t, v = config.text, config.vision
+    full = t.layer_types.count("full_attention")
+    return [f"config: {config.model_type}, {t.num_layers} layers ({full} full attention, {t.num_layers - full} "
+            f"DeltaNet), hidden {t.hidden_size}, vocab {t.vocab_size}, context {t.max_position_embeddings}",
+            (f"experts: {t.num_experts} per layer, top-{t.num_experts_per_tok}, size {t.moe_intermediate_size}, "
+             f"shared expert {t.shared_expert_intermediate_size}" if t.is_moe
+             else f"dense MLP: intermediate size {t.intermediate_size}"),
+            f"vision: {v.depth} blocks, hidden {v.hidden_size}" if v else "vision: none"]
