@@ -32,6 +32,7 @@ import aiohttp
 from . import (GenerationError, GenerationResult, ImageError, PromptError, RemoteError, Turn, load_image, resize_image,
                split_batch)
 from .chat_messages import messages_from_conversation
+from .options import SAMPLER_FIELDS, GenerationOptions
 
 API_KEY_ENV = re.compile(r"A3B_[A-Za-z0-9_]*")
 STOP_POLL_S = 0.05
@@ -178,24 +179,24 @@ class RemoteModel:
         stream = (lambda _index, text: on_text(text)) if on_text is not None else None
         return self.generate_batch([prompt], on_text=stream, **options)[0]
 
-    def generate_batch(self, prompts: Sequence[RemoteChat], *, max_new_tokens: int = 256,
-                       temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
-                       min_p: float | None = None, presence_penalty: float | None = None,
-                       repetition_penalty: float | None = None, seed: int = 0, stop: str | Sequence[str] = (),
-                       thinking_budget: int | None = None, on_text: Callable[[int, str], None] | None = None,
-                       should_stop: Callable[[], bool] | None = None) -> list[GenerationResult]:
-        """One answer per prompt, requested in parallel; on_text(index, text so far). Stopped (should_stop), the
-        results hold what had arrived, with stop_reason "cancelled"."""
-        if thinking_budget is not None:
+    def generate_batch(self, prompts: Sequence[RemoteChat], *, on_text: Callable[[int, str], None] | None = None,
+                       should_stop: Callable[[], bool] | None = None, **options) -> list[GenerationResult]:
+        """One answer per prompt, requested in parallel; on_text(index, text so far); the options are
+        GenerationOptions' fields, less the local engine's own (thinking_budget, kv_dtype, max_context). Stopped
+        (should_stop), the results hold what had arrived, with stop_reason "cancelled"."""
+        settings = GenerationOptions(**options)
+        if settings.thinking_budget is not None:
             raise GenerationError("thinking_budget is not available for remote models (OpenAI-compatible servers have "
                                   "no such setting). Set it to 0, and limit the whole answer with max_new_tokens.")
+        if settings.kv_dtype is not None or settings.max_context is not None:
+            raise GenerationError("kv_dtype and max_context are the server's settings, not a request's; leave them "
+                                  "out and set them where the server is started.")
         if not prompts or not all(isinstance(p, RemoteChat) for p in prompts):
             raise PromptError("prompts must be a non-empty list of prompts built by the remote model's build_prompt.")
         model = self.model or self.resolve_model()
-        sampling = {"temperature": temperature, "top_p": top_p, "top_k": top_k, "min_p": min_p,
-                    "presence_penalty": presence_penalty, "repetition_penalty": repetition_penalty}
-        stops = [stop] if isinstance(stop, str) else list(stop)
-        body = {"model": model, "max_tokens": max_new_tokens, "seed": seed, "stream": True,
+        sampling = {name: getattr(settings, name) for name in SAMPLER_FIELDS}
+        stops = [settings.stop] if isinstance(settings.stop, str) else list(settings.stop)
+        body = {"model": model, "max_tokens": settings.max_new_tokens, "seed": settings.seed, "stream": True,
                 "stream_options": {"include_usage": True}} | {k: v for k, v in sampling.items() if v is not None}
         if stops:
             body["stop"] = stops

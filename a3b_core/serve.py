@@ -40,6 +40,7 @@ from PIL import Image, UnidentifiedImageError
 from . import (A3BError, A3BModel, ChatPrompt, ConfigError, GenerationResult, ImageError, load_image, load_model,
                split_reasoning)
 from .chat_messages import Conversation, conversation_from_messages
+from .options import SAMPLER_FIELDS, LoadOptions
 
 log = logging.getLogger("a3b.serve")
 
@@ -47,7 +48,6 @@ MAX_BODY_BYTES = 32 * 2**20  # a request with several large PNG images fits; any
 DEFAULT_MAX_TOKENS = 4096  # for requests without max_tokens, cut to what the context has left
 THINK_TAGS = ("<think>", "</think>")
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}
-SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty")
 
 
 class RequestError(A3BError):
@@ -525,7 +525,8 @@ def api_key_from_env(variable: str | None, host: str) -> str | None:
     return None
 
 
-def run(model_path: str, preset: str, host: str, port: int, api_key_env: str | None, max_batch_size: int) -> None:
+def run(model_path: str, options: LoadOptions, host: str, port: int, api_key_env: str | None,
+        max_batch_size: int) -> None:
     """Loads the model and serves it until SIGINT or SIGTERM. Everything the command line gives is checked first."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a port number; use 1 to 65535 (or 0 for a free one).")
@@ -533,8 +534,8 @@ def run(model_path: str, preset: str, host: str, port: int, api_key_env: str | N
         raise ConfigError(f"--max-batch-size is {max_batch_size}; it must be at least 1.")
     api_key = api_key_from_env(api_key_env, host)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    log.info("loading %s (preset %s)", model_path, preset)
-    model = load_model(model_path, preset=preset)
+    log.info("loading %s (preset %s, device %s)", model_path, options.preset, options.device)
+    model = load_model(model_path, **options.as_kwargs())
     server = ChatServer(model, Path(model_path).name, api_key, max_batch_size)
     asyncio.run(_serve(server, host, port))
 

@@ -235,6 +235,10 @@ def test_what_a_remote_model_cannot_do_is_refused(remote, demo):
     with pytest.raises(GenerationError, match="thinking_budget is not available") as info:
         remote.generate(prompt, thinking_budget=16)
     assert FIX.search(str(info.value))
+    for setting in ({"kv_dtype": "int8"}, {"max_context": 1024}):
+        with pytest.raises(GenerationError, match="the server's settings") as info:
+            remote.generate(prompt, **setting)
+        assert FIX.search(str(info.value))
     with pytest.raises(PromptError, match="encoded by a local model") as info:
         remote.build_prompt(user=REQUEST, images=demo.encode_images(PIXEL_IMAGES[0]))
     assert FIX.search(str(info.value))

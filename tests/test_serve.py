@@ -281,6 +281,20 @@ def test_max_batch_size_caps_the_batches(tmp_path, demo):
     assert len(batches) == 6 and max(batches) == 2, batches
 
 
+def test_the_load_options_reach_the_engine(tmp_path):
+    served = start_served(tmp_path, "--max-context", "1024", "--kv-cache", "int8", "--device", "cpu")
+    try:
+        client = openai.OpenAI(base_url=served.url, api_key="not-checked", max_retries=0, timeout=120)
+        assert client.models.list().data[0].max_model_len == 1024
+        with pytest.raises(openai.BadRequestError, match="context holds 1024 tokens"):
+            client.chat.completions.create(model=MODEL, messages=[user_message(REQUEST)], max_tokens=1500)
+    finally:
+        served.stop()
+    refused = _serve_command("--device", "tpu")
+    assert refused.returncode == 2 and "device 'tpu'" in refused.stderr and FIX.search(refused.stderr), \
+        refused.stderr
+
+
 # ------------------------------------------------------------------------------------------------ security
 def test_an_api_key_is_required_when_set_and_never_logged(tmp_path):
     key = "a3b-test-key-4f1c9e"
