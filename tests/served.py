@@ -11,6 +11,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from tests.integration.comfy_server import stop_process
+
 REPO = Path(__file__).resolve().parents[1]
 START_TIMEOUT_S = 300  # loading the model under a busy machine (other test processes, benchmarks) can take minutes
 READY = re.compile(r"A3B server: \S+ at (http://\S+/v1) ")
@@ -44,13 +46,7 @@ class Served:
             time.sleep(0.05)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 def start_served(log_dir: Path, *args: str, model: str = "a3b-demo", env: dict | None = None) -> Served:
