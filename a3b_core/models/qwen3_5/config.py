@@ -157,9 +157,10 @@ def parse_vision_config(vision: dict, where: str, stored_blocks: int | None = No
         raise ConfigError(f"{where}: vision_config.deepstack_visual_indexes is set; deepstack vision towers "
                           "(Qwen3-VL) are not supported, only Qwen3.5/3.6 models.")
     hidden, heads = positive(vision, "hidden_size", where), positive(vision, "num_heads", where)
-    if hidden % heads:
-        raise ConfigError(f"{where}: vision_config.hidden_size is {hidden}, not a multiple of num_heads ({heads}), "
-                          "so the vision tower's heads cannot split it. Use the config.json that came with the model.")
+    if hidden % heads or (hidden // heads) % 4:
+        raise ConfigError(f"{where}: vision_config hidden_size {hidden} / num_heads {heads} must give a whole head "
+                          "size divisible by 4 (2-D rotary over half-size pairs). Use the config.json that came with "
+                          "the model.")
     return VisionConfig(
         depth=layer_count(vision, "depth", where, stored_blocks, "vision blocks"),
         hidden_size=hidden,
