@@ -1,5 +1,5 @@
 """Command line: `python -m a3b_core caption IMAGE...`, `caption-folder DIR`, `plan MODEL --preset 8gb [--json]`,
-`inspect MODEL`."""
+`inspect MODEL`, `serve MODEL [--preset P] [--device D] [--host H] [--port P] [--api-key-env VAR]`."""
 from __future__ import annotations
 
 import argparse
@@ -15,7 +15,8 @@ from .checkpoint import Checkpoint
 from .engine import DEMO_MODEL_NAME, DEMO_MODELS, load_model, resolve_model_path
 from .errors import A3BError, ImageError
 from .models import family_for, load_config
-from .options import KV_FORMATS, PRESET_NAMES, RESIZE_MODES, WEIGHT_FORMATS, GenerationOptions
+from .options import (DEVICE_CHOICES, KV_FORMATS, PRESET_NAMES, RESIZE_MODES, WEIGHT_FORMATS, GenerationOptions,
+                      LoadOptions)
 from .placement import GiB, format_bytes, plan_for_folder
 
 MODEL_HELP = f"model folder (config.json + .safetensors), or an embedded demo model: {', '.join(DEMO_MODELS)}"
@@ -98,6 +99,24 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from .serve import run  # aiohttp is imported by this command only
+
+    options = LoadOptions(preset=args.preset, weight_format=args.weight_format, kv_cache=args.kv_cache,
+                          max_context=args.max_context, device=args.device)
+    run(args.model, options, args.host, args.port, args.api_key_env, args.max_batch_size)
+    return 0
+
+
+def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
+    """The placement choices `plan` and `serve` share."""
+    parser.add_argument("--preset", default="auto", choices=PRESET_NAMES)
+    parser.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
+                        help="format of the routed experts kept in RAM")
+    parser.add_argument("--kv-cache", default="auto", choices=KV_FORMATS)
+    parser.add_argument("--max-context", type=int, default=None, help="tokens (default: the preset's)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m a3b_core", description="A3B engine tools.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -156,11 +175,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser("plan", help="show where each part of a model would live (reads headers only)")
     plan.add_argument("model", help=MODEL_HELP)
-    plan.add_argument("--preset", default="auto", choices=PRESET_NAMES)
-    plan.add_argument("--weight-format", default="auto", choices=WEIGHT_FORMATS,
-                      help="format of the routed experts kept in RAM")
-    plan.add_argument("--kv-cache", default="auto", choices=KV_FORMATS)
-    plan.add_argument("--max-context", type=int, default=None, help="tokens (default: the preset's)")
+    add_placement_arguments(plan)
     plan.add_argument("--ram", type=float, default=None, help="RAM budget in GiB (default: MemAvailable)")
     plan.add_argument("--vram", type=float, default=None,
                       help="free VRAM in GiB (default: this GPU's); given, it plans for a GPU even without CUDA")
@@ -170,6 +185,21 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = commands.add_parser("inspect", help="summarise a model folder's config and tensors")
     inspect.add_argument("model", help=MODEL_HELP)
     inspect.set_defaults(run=cmd_inspect)
+
+    serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions)")
+    serve.add_argument("model", help=MODEL_HELP)
+    add_placement_arguments(serve)
+    serve.add_argument("--device", default="auto",
+                       help=f"where the model runs: {', '.join(DEVICE_CHOICES)} (default: auto, the first GPU if any)")
+    serve.add_argument("--host", default="127.0.0.1",
+                       help="address to listen on (default: 127.0.0.1, this machine only; any other address needs "
+                            "--api-key-env)")
+    serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
+    serve.add_argument("--api-key-env", default=None, metavar="VAR",
+                       help="name of the environment variable holding the API key clients must send")
+    serve.add_argument("--max-batch-size", type=int, default=32,
+                       help="most requests decoded together (default: 32; 1 decodes one request at a time)")
+    serve.set_defaults(run=cmd_serve)
     return parser
 
 

@@ -31,3 +31,7 @@ class PlacementError(A3BError):
 
 class ModelReleasedError(A3BError):
     """A model handle is used after release(); the model must be loaded again."""
+
+
+class RemoteError(A3BError):
+    """A remote OpenAI-compatible server cannot be reached, refuses a request, or answers in an unexpected form."""

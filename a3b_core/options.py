@@ -17,6 +17,7 @@ QUANTIZED_FORMATS = ("fp8", "int8", "int4")
 WEIGHT_FORMATS = ("auto", "fp8", "int8", "int4", "bf16", "fp32")  # what routed experts in RAM may be held in
 KV_FORMATS = ("auto", *FLOAT_FORMATS, "int8")  # "auto": the compute dtype
 RESIZE_MODES = ("stretch", "letterbox", "crop", "native")
+SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty")
 
 
 def checked_kv_format(kv_dtype: str | None) -> str:

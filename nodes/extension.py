@@ -5,12 +5,14 @@ from . import comfy_bridge as bridge
 from .caption_nodes import A3BCaptionFolder, A3BSaveCaptions
 from .comfy_bridge import ComfyExtension, io
 from .model_nodes import A3BModelLoader
+from .remote_nodes import A3BRemoteModel
 from .text_nodes import A3BGenerate, A3BImageEncode, A3BPrompt
 
 
 class A3BExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [A3BModelLoader, A3BImageEncode, A3BPrompt, A3BGenerate, A3BSaveCaptions, A3BCaptionFolder]
+        return [A3BModelLoader, A3BRemoteModel, A3BImageEncode, A3BPrompt, A3BGenerate, A3BSaveCaptions,
+                A3BCaptionFolder]
 
 
 async def comfy_entrypoint() -> A3BExtension:

@@ -28,7 +28,7 @@ class A3BImageEncode(io.ComfyNode):
             description="Runs the model's vision tower once over a batch of images; the result can feed any number "
                         "of prompts without encoding again.",
             inputs=[
-                ModelWire.Input("model", tooltip="From A3B Model Loader."),
+                ModelWire.Input("model", tooltip="From A3B Model Loader or A3B Remote Model."),
                 io.Image.Input("image", tooltip="One image or a batch (e.g. from Load Image or Image Batch)."),
                 io.Int.Input("size", default=384, min=64, max=2048, step=32,
                              tooltip="Side length in pixels the images are resized to (a multiple of 32). Larger "
@@ -96,7 +96,7 @@ class A3BGenerate(io.ComfyNode):
             description="Generates the answer, streaming it onto the node; Stop ends it within one token. The "
                         "defaults are Qwen's recommended settings for answers without thinking.",
             inputs=[
-                ModelWire.Input("model", tooltip="From A3B Model Loader."),
+                ModelWire.Input("model", tooltip="From A3B Model Loader or A3B Remote Model."),
                 PromptWire.Input("prompt", tooltip="From A3B Prompt."),
                 io.Combo.Input("mode", options=MODES, default=SINGLE,
                                tooltip="single: one answer for the whole prompt. per image: the prompt is asked "
@@ -125,7 +125,7 @@ class A3BGenerate(io.ComfyNode):
                 io.Int.Input("thinking_budget", default=0, min=0, max=32768, optional=True,
                              tooltip="With thinking on: the most tokens the model may reason for; then its "
                                      "reasoning is closed and it answers. Counts towards max_new_tokens. "
-                                     "0 = no limit."),
+                                     "0 = no limit. Not available with A3B Remote Model (keep 0)."),
             ],
             outputs=[
                 io.String.Output(display_name="answer", is_output_list=True,

@@ -105,6 +105,13 @@ def test_vision_depth_is_capped_without_weights():
         parse_config(raw)
 
 
+def test_vision_heads_must_divide_the_vision_width():
+    raw = nested()
+    raw["vision_config"]["hidden_size"] = raw["vision_config"]["num_heads"] + 1
+    with pytest.raises(ConfigError, match="hidden_size 3 / num_heads 2 must give a whole head size"):
+        parse_config(raw)
+
+
 def test_deepstack_vision_is_refused():
     raw = nested()
     raw["vision_config"]["deepstack_visual_indexes"] = [8, 16, 24]

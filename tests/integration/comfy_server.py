@@ -145,13 +145,18 @@ class ComfyServer:
             time.sleep(0.25)
 
     def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
+
+
+def stop_process(process: subprocess.Popen) -> None:
+    """Ends a server process: SIGTERM, then SIGKILL after 20 s."""
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
 
 
 def _progress_text(data: bytes) -> tuple[str | None, str]:

@@ -156,10 +156,15 @@ def parse_vision_config(vision: dict, where: str, stored_blocks: int | None = No
     if vision.get("deepstack_visual_indexes"):
         raise ConfigError(f"{where}: vision_config.deepstack_visual_indexes is set; deepstack vision towers "
                           "(Qwen3-VL) are not supported, only Qwen3.5/3.6 models.")
+    hidden, heads = positive(vision, "hidden_size", where), positive(vision, "num_heads", where)
+    if hidden % heads or (hidden // heads) % 4:
+        raise ConfigError(f"{where}: vision_config hidden_size {hidden} / num_heads {heads} must give a whole head "
+                          "size divisible by 4 (2-D rotary over half-size pairs). Use the config.json that came with "
+                          "the model.")
     return VisionConfig(
         depth=layer_count(vision, "depth", where, stored_blocks, "vision blocks"),
-        hidden_size=positive(vision, "hidden_size", where),
-        num_heads=positive(vision, "num_heads", where),
+        hidden_size=hidden,
+        num_heads=heads,
         intermediate_size=positive(vision, "intermediate_size", where),
         patch_size=positive(vision, "patch_size", where, default=16),
         temporal_patch_size=positive(vision, "temporal_patch_size", where, default=2),

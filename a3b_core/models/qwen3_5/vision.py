@@ -153,10 +153,6 @@ class VisionTower(nn.Module):
         if self.pos_side ** 2 != cfg.num_position_embeddings:
             raise ConfigError(f"config.json: vision_config.num_position_embeddings is {cfg.num_position_embeddings}; "
                               "expected a square number (the learned table is a square grid).")
-        head_dim = cfg.hidden_size // cfg.num_heads
-        if head_dim * cfg.num_heads != cfg.hidden_size or head_dim % 4:
-            raise ConfigError(f"config.json: vision_config hidden_size {cfg.hidden_size} / num_heads {cfg.num_heads} "
-                              "must give a whole head size divisible by 4 (2-D rotary over half-size pairs).")
         self.patch_embed = PatchEmbed(cfg)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))

@@ -1,0 +1,19 @@
+"""What travels on an A3B_MODEL wire for a remote model: the calls Image Encode and Generate make on a model handle."""
+from __future__ import annotations
+
+from typing import Any
+
+from a3b_core.remote import RemoteModel
+
+
+class RemoteModelHandle:
+    """As A3BModelHandle for a local model, but there is nothing to load or free: the server holds the model."""
+
+    def __init__(self, remote: RemoteModel):
+        self.remote = remote
+
+    def acquire(self, progress: Any = None) -> RemoteModel:
+        return self.remote
+
+    def finished_run(self) -> None:
+        pass
