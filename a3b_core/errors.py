@@ -31,3 +31,7 @@ class PlacementError(A3BError):
 
 class ModelReleasedError(A3BError):
     """A model handle is used after release(); the model must be loaded again."""
+
+
+class ChatTemplateError(A3BError):
+    """A model folder's chat template cannot be read, compiled or rendered, or renders a prompt the model cannot use."""
