@@ -39,7 +39,9 @@ MAX_INT_BITS = 4096  # a template counts images and turns; it never needs number
 RENDER_SECONDS = 2.0  # a typical prompt renders in about a millisecond
 _FALLBACK = (f'choose chat_template "{BUILT_IN_TEMPLATE}" on the loader (load_model(..., chat_template='
              f'"{BUILT_IN_TEMPLATE}")) to use the built-in template')
-_WIDE_FORMAT = re.compile(r"\*|\d{5,}")  # a width or precision that could make a huge string: "%*d", "{:99999}"
+# A width or precision that could make a huge string: "%*d", "%099999d", "%.99999f"; "{:99999}", "{0:.99999}".
+_WIDE_PERCENT = re.compile(r"%[-#0 +]*(\*|\d{5,}|\d*\.(\*|\d{5,}))")
+_WIDE_FIELD = re.compile(r"\{[^{}]*:[^{}]*\d{5,}")
 
 _deadline: ContextVar[float] = ContextVar("a3b_chat_template_deadline", default=float("inf"))
 
@@ -237,7 +239,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
 
     def wrap_str_format(self, value: Any) -> Callable[..., str] | None:
         wrapped = super().wrap_str_format(value)
-        if wrapped is not None and _WIDE_FORMAT.search(value.__self__):
+        if wrapped is not None and _WIDE_FIELD.search(value.__self__):
             raise TemplateLimitError("a format string asks for a width larger than any prompt needs")
         return wrapped
 
@@ -253,7 +255,7 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         elif operator == "**" and isinstance(left, int) and isinstance(right, int) and abs(left) > 1:
             if right * left.bit_length() > MAX_INT_BITS:
                 raise TemplateLimitError(f"{left} ** {right} is larger than any prompt needs")
-        elif operator == "%" and isinstance(left, str) and _WIDE_FORMAT.search(left):
+        elif operator == "%" and isinstance(left, str) and _WIDE_PERCENT.search(left):
             raise TemplateLimitError("a format string asks for a width larger than any prompt needs")
         return _checked(super().call_binop(context, operator, left, right))
 

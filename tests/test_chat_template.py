@@ -275,7 +275,17 @@ HOSTILE = {
     "wide padding": ("{{ 'x'.ljust(10**9) }}", "larger than any prompt needs"),
     "wide filter": ("{{ 'x'|center(10**9) }}", "larger than any prompt needs"),
     "wide format": ("{{ '%0999999999d' % 1 }}", "width larger than any prompt needs"),
+    "starred width": ("{{ '%*d' % (999999999, 1) }}", "width larger than any prompt needs"),
+    "wide field": ("{{ '{:>999999999}'.format(1) }}", "width larger than any prompt needs"),
 }
+
+
+def test_numbers_in_format_strings_are_not_widths(tok, tmp_path):
+    source = ("{{ 'Batch 100000 of %d, %5.2f%%. ' % (200000, 50) }}{{ 'Year {} of 10000000'.format(2026) }}"
+              "{{ messages[0].content }}")
+    template = FolderTemplate(source, tmp_path / "chat_template.jinja", "chat_template.jinja")
+    assert template.render([{"role": "user", "content": "hi"}], False, False) == \
+        "Batch 100000 of 200000, 50.00%. Year 2026 of 10000000hi"
 
 
 @pytest.mark.parametrize("case", sorted(HOSTILE))
