@@ -43,6 +43,10 @@ _FALLBACK = (f'choose chat_template "{BUILT_IN_TEMPLATE}" on the loader (load_mo
 _WIDE_PERCENT = re.compile(r"%[-#0 +]*(\*|\d{5,}|\d*\.(\*|\d{5,}))")
 _WIDE_FIELD = re.compile(r"\{[^{}]*:[^{}]*\d{5,}")
 
+# What a template's own expressions can raise, besides jinja2's errors and the limits here.
+_TEMPLATE_FAILURES = (jinja2.TemplateError, RecursionError, MemoryError, ArithmeticError, TypeError, ValueError,
+                      LookupError, AttributeError)
+
 _deadline: ContextVar[float] = ContextVar("a3b_chat_template_deadline", default=float("inf"))
 
 
@@ -62,7 +66,7 @@ class FolderTemplate:
         self.name = name  # where in the folder it came from, as the loader reports it
         try:
             self.template = _ENVIRONMENT.from_string(_guard_loops(_ENVIRONMENT.parse(source)))
-        except (jinja2.TemplateError, RecursionError, MemoryError) as exc:
+        except _TEMPLATE_FAILURES as exc:  # compiling folds constant expressions, so it can fail as rendering does
             raise self._error(f"cannot be compiled ({_reason(exc)})") from None
 
     @property
@@ -98,8 +102,7 @@ class FolderTemplate:
             return "".join(chunks)
         except RaisedByTemplate as exc:
             raise self._error(f"refused the prompt: {exc.message}") from None
-        except (jinja2.TemplateError, RecursionError, MemoryError, ArithmeticError, TypeError, ValueError, LookupError,
-                AttributeError) as exc:  # what a template's own expressions can raise
+        except _TEMPLATE_FAILURES as exc:
             raise self._error(f"cannot be rendered ({_reason(exc)})") from None
         finally:
             _deadline.reset(token)
