@@ -5,8 +5,9 @@ Every released Qwen model folder ships its template, and fine-tunes edit it, so 
 was trained to read. A template is untrusted text: it is compiled once, at load, in jinja2's immutable sandbox (no
 attribute starting with an underscore, no method that changes a list or dict), with the helpers Qwen's templates use
 (raise_exception, tojson, loop controls). Rendering is bounded: range() is capped by the sandbox, every loop, call and
-attribute read checks a deadline, the strings, lists and numbers a template builds are capped in size, and recursion
-ends in an error. Every failure is a ChatTemplateError naming the file and pointing at the built-in template.
+attribute read checks the CPU time spent, the strings, lists and numbers a template builds are capped in size, and
+recursion ends in an error. Every failure is a ChatTemplateError naming the file and pointing at the built-in
+template.
 """
 from __future__ import annotations
 
@@ -36,7 +37,9 @@ MAX_FILE_BYTES = 8 * 2**20  # released templates are about 10 KiB, tokenizer_con
 MAX_TEXT = 16 * 2**20  # characters of a string a template builds, and of the prompt it renders
 MAX_ITEMS = 2**20  # items of a list, tuple or dict a template builds
 MAX_INT_BITS = 4096  # a template counts images and turns; it never needs numbers near this size
-RENDER_SECONDS = 2.0  # a typical prompt renders in about a millisecond
+# CPU seconds of the rendering thread (so a busy machine cannot make a good template fail); a typical prompt renders
+# in about a millisecond
+RENDER_SECONDS = 2.0
 _FALLBACK = (f'choose chat_template "{BUILT_IN_TEMPLATE}" on the loader (load_model(..., chat_template='
              f'"{BUILT_IN_TEMPLATE}")) to use the built-in template')
 # A width or precision that could make a huge string: "%*d", "%099999d", "%.99999f"; "{:99999}", "{0:.99999}".
@@ -47,7 +50,7 @@ _WIDE_FIELD = re.compile(r"\{[^{}]*:[^{}]*\d{5,}")
 _TEMPLATE_FAILURES = (jinja2.TemplateError, RecursionError, MemoryError, ArithmeticError, TypeError, ValueError,
                       LookupError, AttributeError)
 
-_deadline: ContextVar[float] = ContextVar("a3b_chat_template_deadline", default=float("inf"))
+_deadline: ContextVar[float] = ContextVar("a3b_chat_template_deadline", default=float("inf"))  # in thread_time()
 
 
 class TemplateLimitError(jinja2.TemplateError):
@@ -89,7 +92,7 @@ class FolderTemplate:
 
     def render(self, messages: list[dict], thinking: bool, add_vision_id: bool) -> str:
         """The template's text for `messages`, ending with the generation prompt."""
-        token = _deadline.set(time.monotonic() + RENDER_SECONDS)
+        token = _deadline.set(time.thread_time() + RENDER_SECONDS)
         try:
             chunks, size = [], 0
             for chunk in self.template.generate(messages=messages, add_generation_prompt=True,
@@ -173,8 +176,8 @@ def _reason(exc: BaseException) -> str:
 
 # ------------------------------------------------------------------------------------------------ the sandbox
 def _check_deadline() -> None:
-    if time.monotonic() > _deadline.get():
-        raise TemplateLimitError(f"rendering took over {RENDER_SECONDS:g} s")
+    if time.thread_time() > _deadline.get():
+        raise TemplateLimitError(f"rendering took over {RENDER_SECONDS:g} s of CPU time")
 
 
 def _checked(value: Any) -> Any:

@@ -153,22 +153,22 @@ def test_chat_template_built_in_ignores_the_folders_template(folder, built_in_mo
 
 
 @pytest.mark.parametrize("entry", ["string", "list"])
-def test_the_template_in_tokenizer_config_json_is_used(folder, entry):
+def test_the_template_in_tokenizer_config_json_is_used(tok, folder, entry):
     source = fine_tune_template()
     value = source if entry == "string" else [{"name": "tool_use", "template": "{{ raise_exception('no') }}"},
                                                {"name": "default", "template": source}]
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": value, "model_max_length": 262144}))
-    model = load(folder)
-    assert model.chat_template_in_use == "model folder: tokenizer_config.json (chat_template)"
-    assert DEFAULT_SYSTEM in model.build_prompt("Describe the image.").prompt.text
+    template = find_chat_template(folder)
+    assert template.in_use == "model folder: tokenizer_config.json (chat_template)"
+    assert DEFAULT_SYSTEM in template.build_prompt(tok, "Describe the image.").text
 
 
-def test_chat_template_jinja_comes_before_tokenizer_config_json(folder):
+def test_chat_template_jinja_comes_before_tokenizer_config_json(tok, folder):
     (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": fine_tune_template()}))
     shutil.copy(QWEN3_5_TEMPLATE, folder / "chat_template.jinja")
-    model = load(folder)
-    assert model.chat_template_in_use == "model folder: chat_template.jinja"
-    assert DEFAULT_SYSTEM not in model.build_prompt("Describe the image.").prompt.text
+    template = find_chat_template(folder)
+    assert template.in_use == "model folder: chat_template.jinja"
+    assert DEFAULT_SYSTEM not in template.build_prompt(tok, "Describe the image.").text
 
 
 @pytest.mark.parametrize("config", [{}, {"chat_template": None}, {"chat_template": [{"name": "tool_use",
@@ -188,20 +188,20 @@ def assert_refused(info: pytest.ExceptionInfo, path: Path) -> None:
     assert message.startswith(f"{path}:") and 'chat_template "built-in"' in message and FIX.search(message), message
 
 
-def test_a_template_without_image_placeholders_is_refused(folder, fixtures):
+def test_a_template_without_image_placeholders_is_refused(tok, folder):
     source = QWEN3_5_TEMPLATE.read_text(encoding="utf-8").replace("<|vision_start|><|image_pad|><|vision_end|>", "")
     (folder / "chat_template.jinja").write_text(source, encoding="utf-8")
-    model = load(folder)
-    assert model.build_prompt("Describe the scene.").input_ids  # text alone needs no placeholder
+    template = find_chat_template(folder)
+    assert template.build_prompt(tok, "Describe the scene.").input_ids  # text alone needs no placeholder
     with pytest.raises(ChatTemplateError, match=r"wrote 0 image placeholders \(<\|image_pad\|>\) for 1 images") as info:
-        model.build_prompt("Describe [[IMG]]", images=model.encode_images(fixtures.square_image))
+        template.build_prompt(tok, "Describe [[IMG]]", image_token_counts=[4])
     assert_refused(info, folder / "chat_template.jinja")
 
 
-def test_a_template_writing_placeholders_of_its_own_is_refused(folder):
+def test_a_template_writing_placeholders_of_its_own_is_refused(tok, folder):
     (folder / "chat_template.jinja").write_text("{% for m in messages %}<|image_pad|>{{ m.content }}{% endfor %}")
     with pytest.raises(ChatTemplateError, match=r"wrote 1 image placeholders .* for 0 images") as info:
-        load(folder).build_prompt("Describe the scene.")
+        find_chat_template(folder).build_prompt(tok, "Describe the scene.")
     assert_refused(info, folder / "chat_template.jinja")
 
 
@@ -246,10 +246,10 @@ def test_a_template_linking_outside_the_folder_is_refused(folder, tmp_path):
         load(folder)
 
 
-def test_a_template_that_raises_names_its_message(folder):
+def test_a_template_that_raises_names_its_message(tok, folder):
     (folder / "chat_template.jinja").write_text("{{ raise_exception('This model takes no system message.') }}")
     with pytest.raises(ChatTemplateError, match="refused the prompt: This model takes no system message") as info:
-        load(folder).build_prompt("Hi")
+        find_chat_template(folder).build_prompt(tok, "Hi")
     assert_refused(info, folder / "chat_template.jinja")
 
 
