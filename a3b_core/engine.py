@@ -12,13 +12,14 @@ import torch
 
 from . import backends, devices
 from . import image as image_pipeline
+from .chat_template import FolderTemplate, find_chat_template
 from .checkpoint import Checkpoint
 from .config import ModelConfig, read_config
 from .errors import CheckpointError, ConfigError, ImageError, ModelReleasedError, PromptError
 from .generation import GenerationResult, generate, generate_batch
 from .inputs import ChatPrompt, EncodedImages, check_input_ids
 from .models import family_for, family_of
-from .options import COMPUTE_DTYPES, FORMAT_OF_DTYPE
+from .options import BUILT_IN_TEMPLATE, CHAT_TEMPLATES, COMPUTE_DTYPES, FORMAT_OF_DTYPE
 from .placement import Plan, make_plan
 from .prompt import Turn
 from .tokenizer import Tokenizer, check_against_config
@@ -69,7 +70,7 @@ def resolve_compute_dtype(compute_dtype: str, device: torch.device) -> torch.dty
 class A3BModel:
     def __init__(self, folder: Path, config: ModelConfig, text: torch.nn.Module, vision: torch.nn.Module | None,
                  tokenizer: Tokenizer | None, plan: Plan, device: torch.device, dtype: torch.dtype,
-                 load_stats: LoadStats):
+                 load_stats: LoadStats, chat_template: FolderTemplate | None = None):
         self.folder = folder
         self.config = config
         self.family = family_for(config.model_type)
@@ -80,6 +81,12 @@ class A3BModel:
         self.device = device  # where hidden states live: the plan's dense device
         self.dtype = dtype
         self.load_stats = load_stats
+        self.chat_template = chat_template  # the folder's own, or None for the family's built-in one
+
+    @property
+    def chat_template_in_use(self) -> str:
+        """Which chat template builds prompts: "model folder: <file>" or "built-in"."""
+        return self.chat_template.in_use if self.chat_template is not None else BUILT_IN_TEMPLATE
 
     @property
     def max_context(self) -> int:
@@ -156,9 +163,9 @@ class A3BModel:
         if not isinstance(images, EncodedImages):
             raise PromptError(f"images is a {type(images).__name__}; pass the result of model.encode_images(...), "
                               "which turns pictures into what the model reads.")
-        prompt = self.family.build_prompt(self.require_tokenizer(), user, system=system,
-                                          image_token_counts=images.token_counts,
-                              thinking=thinking, history=history, add_vision_id=add_vision_id)
+        template = self.chat_template.build_prompt if self.chat_template is not None else self.family.build_prompt
+        prompt = template(self.require_tokenizer(), user, system=system, image_token_counts=images.token_counts,
+                          thinking=thinking, history=history, add_vision_id=add_vision_id)
         return ChatPrompt(prompt, images)
 
     # ------------------------------------------------------------------------------------------- forward
@@ -286,13 +293,18 @@ def expert_cache_dir(ckpt: Checkpoint, fmt: str) -> Path:
 def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", compute_dtype: str = "auto",
                weight_format: str = "auto", kv_cache: str = "auto", max_context: int | None = None,
                progress: Progress | None = None, device: str | torch.device = "auto",
-               ram_budget: int | None = None) -> A3BModel:
+               ram_budget: int | None = None, chat_template: str = "auto") -> A3BModel:
     """Loads a Qwen3.5/3.6 model folder (or the embedded demo model) as the preset's placement plan says, on `device`
     ("auto": the first CUDA GPU if there is one; "cpu"; "cuda" or "cuda:N"). The plan may use `ram_budget` bytes of
-    RAM (default: what the system reports available).
+    RAM (default: what the system reports available). `chat_template` "auto" builds prompts with the folder's own
+    chat template when it has one (chat_template.jinja or tokenizer_config.json's), else with the family's built-in
+    one; "built-in" always uses the built-in one (model.chat_template_in_use says which).
 
     preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
     started = time.perf_counter()
+    if chat_template not in CHAT_TEMPLATES:
+        raise ConfigError(f"chat_template {chat_template!r} is not supported; use one of: {', '.join(CHAT_TEMPLATES)} "
+                          "(auto: the model folder's own template when it has one; built-in: the pack's own).")
     folder = resolve_model_path(path)
     raw_config = read_config(folder)
     where_config = str(folder / "config.json")
@@ -304,6 +316,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     if (folder / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_folder(folder)
         check_against_config(tokenizer, config, where_config)
+    folder_template = find_chat_template(folder) if chat_template == "auto" else None
     device = devices.resolve_device(device)
     dtype = resolve_compute_dtype(compute_dtype, device)
     plan = make_plan(config, {n: (i.shape, i.dtype) for n, i in ckpt.infos.items()}, preset,
@@ -343,4 +356,5 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
                       {layer: where("cuda") for layer in plan.gpu_expert_layers})
     backends.prepare_cpu(text, vision, release_under(text_prefix), release_under(vision_prefix))
     stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
-    return A3BModel(folder, config, text, vision, tokenizer, plan, where(plan.dense_device), dtype, stats)
+    return A3BModel(folder, config, text, vision, tokenizer, plan, where(plan.dense_device), dtype, stats,
+                    folder_template)

@@ -35,3 +35,7 @@ class ModelReleasedError(A3BError):
 
 class RemoteError(A3BError):
     """A remote OpenAI-compatible server cannot be reached, refuses a request, or answers in an unexpected form."""
+
+
+class ChatTemplateError(A3BError):
+    """A model folder's chat template cannot be read, compiled or rendered, or renders a prompt the model cannot use."""

@@ -18,6 +18,9 @@ WEIGHT_FORMATS = ("auto", "fp8", "int8", "int4", "bf16", "fp32")  # what routed 
 KV_FORMATS = ("auto", *FLOAT_FORMATS, "int8")  # "auto": the compute dtype
 RESIZE_MODES = ("stretch", "letterbox", "crop", "native")
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty")
+# "auto": the model folder's own chat template when it has one, else the family's built-in one; "built-in": always it
+BUILT_IN_TEMPLATE = "built-in"
+CHAT_TEMPLATES = ("auto", BUILT_IN_TEMPLATE)
 
 
 def checked_kv_format(kv_dtype: str | None) -> str:
@@ -37,6 +40,7 @@ class LoadOptions:
     kv_cache: str = "auto"
     max_context: int | None = None
     device: str = "auto"
+    chat_template: str = "auto"
 
     def as_kwargs(self) -> dict:
         return asdict(self)

@@ -64,8 +64,9 @@ class A3BModelHandle:
         before = bridge.device_bytes_in_use(device)
         model = a3b_core.load_model(self.path, progress=progress, **(self.options.as_kwargs() | {"device": device}))
         self._model = model
-        self.plan_table = str(model.plan)
-        self.plan_summary = model.plan.summary()
+        template = f"chat template: {model.chat_template_in_use}"
+        self.plan_table = f"{model.plan}\n{template}"
+        self.plan_summary = f"{model.plan.summary()}; {template}"
         if bridge.Residency is not None:
             self._residency = self._residency or bridge.Residency(self.release, model.device)
             self._residency.mark_loaded(bridge.device_bytes_in_use(model.device) - before)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from a3b_core.options import KV_FORMATS, PRESET_NAMES, WEIGHT_FORMATS, LoadOptions
+from a3b_core.options import CHAT_TEMPLATES, KV_FORMATS, PRESET_NAMES, WEIGHT_FORMATS, LoadOptions
 
 from . import comfy_bridge as bridge
 from .comfy_bridge import io
@@ -50,10 +50,15 @@ class A3BModelLoader(io.ComfyNode):
                 io.Boolean.Input("keep_loaded", default=True,
                                  tooltip="On: the model stays in memory between runs (ComfyUI still unloads it when "
                                          "another model needs the memory). Off: freed after every generation."),
-                # last, and optional: workflows saved before it existed keep their widget values in place
+                # last, and optional: workflows saved before they existed keep their widget values in place
                 io.Combo.Input("device", options=device_choices(), default="auto", optional=True,
                                tooltip="Where the model runs. 'auto': ComfyUI's own device (its --cpu and "
                                        "--cuda-device settings hold); or one of the GPUs torch sees; or the CPU."),
+                io.Combo.Input("chat_template", options=list(CHAT_TEMPLATES), default="auto", optional=True,
+                               tooltip="How prompts are written for the model. 'auto': the model folder's own chat "
+                                       "template (chat_template.jinja or tokenizer_config.json), as fine-tunes edit "
+                                       "it, rendered in a sandbox; the built-in Qwen3.5 template when the folder has "
+                                       "none. 'built-in': always the built-in one. The plan shows which is in use."),
             ],
             outputs=[ModelWire.Output(display_name="model", tooltip="The loaded model, for Image Encode and "
                                                                    "Generate.")],
@@ -62,10 +67,10 @@ class A3BModelLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, model: str, vram_preset: str, weight_format: str, kv_cache: str, max_context: int,
-                keep_loaded: bool, device: str = "auto") -> io.NodeOutput:
+                keep_loaded: bool, device: str = "auto", chat_template: str = "auto") -> io.NodeOutput:
         path = resolve_model(model, bridge.llm_roots())
         options = LoadOptions(preset=vram_preset, weight_format=weight_format, kv_cache=kv_cache,
-                              max_context=max_context or None, device=device)
+                              max_context=max_context or None, device=device, chat_template=chat_template)
         handle = A3BModelHandle(path, options, keep_loaded, loader_node=cls.hidden.unique_id)
         progress = bridge.Progress(1)
         handle.acquire(progress=lambda done, total: progress.set(done, total))

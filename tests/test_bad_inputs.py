@@ -1028,7 +1028,7 @@ def test_symlinked_model_folder_loads(ws):
 
 def test_folder_without_optional_files_works(ws):
     """Only config.json, tokenizer.json and the weights are needed: no generation_config, preprocessor_config or
-    chat template (the template is written in Python)."""
+    chat template (the built-in template builds the prompts)."""
     folder = ws.copy("moe_hf")
     for name in ("generation_config.json", "preprocessor_config.json", "chat_template.jinja"):
         (folder / name).unlink(missing_ok=True)

@@ -3,6 +3,7 @@ text, Generate's engine call and speed line, Image Encode's batch, and the bridg
 (caption files: test_captions.py)."""
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,9 @@ from nodes.generation import generate_answers, speed_line
 from nodes.image_batch import encode_image_batch
 from nodes.live_text import LiveText
 from nodes.model_folders import DEMO_MODEL, list_model_folders, loader_choices, resolve_model
-from a3b_core.options import PRESET_NAMES
+from a3b_core.options import PRESET_NAMES, LoadOptions
 from a3b_core.placement import PRESETS
-from nodes.model_handle import preset_budget_bytes
+from nodes.model_handle import A3BModelHandle, preset_budget_bytes
 from nodes.prompt_spec import PromptSpec, build_prompts
 from tests.test_bad_inputs import FIX
 
@@ -272,3 +273,19 @@ def test_preset_budgets() -> None:
     assert preset_budget_bytes("auto") > 1024**4  # everything: other models make room first
 
 
+
+
+# --- the Loader's plan text --------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chat_template, in_use", [("auto", "model folder: chat_template.jinja"),
+                                                   ("built-in", "built-in")])
+def test_the_loaders_plan_says_which_chat_template_is_in_use(tmp_path: Path, fixtures, chat_template: str,
+                                                            in_use: str) -> None:
+    folder = tmp_path / "model"
+    shutil.copytree(fixtures.moe_hf, folder)
+    shutil.copy(Path(__file__).parent / "data" / "qwen3_5_chat_template.jinja", folder / "chat_template.jinja")
+    handle = A3BModelHandle(str(folder), LoadOptions(preset="cpu", chat_template=chat_template), keep_loaded=False)
+    handle.acquire()
+    assert handle.plan_summary.endswith(f"; chat template: {in_use}")
+    assert handle.plan_table.endswith(f"\nchat template: {in_use}")
+    handle.release()

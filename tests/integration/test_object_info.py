@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from a3b_core.options import KV_FORMATS, WEIGHT_FORMATS
+from a3b_core.options import CHAT_TEMPLATES, KV_FORMATS, WEIGHT_FORMATS
 from a3b_core.sampling import resolve_sampling
 from tests.integration.comfy_server import PACK_NAME
 from tests.integration.conftest import BROKEN_MODEL, TINY_MODEL
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.comfyui
 
 EXPECTED = {
     "A3BModelLoader": ("A3B Model Loader", ["model", "vram_preset", "weight_format", "kv_cache", "max_context",
-                                            "keep_loaded", "device"], ["A3B_MODEL"]),
+                                            "keep_loaded", "device", "chat_template"], ["A3B_MODEL"]),
     "A3BRemoteModel": ("A3B Remote Model", ["base_url", "model", "api_key_env", "timeout"], ["A3B_MODEL"]),
     "A3BImageEncode": ("A3B Image Encode", ["model", "image", "size", "resize", "srgb"], ["A3B_IMAGES"]),
     "A3BPrompt": ("A3B Prompt", ["system", "user", "thinking", "images", "previous", "previous_answer"],
@@ -65,9 +65,11 @@ def test_loader_offers_the_demo_and_the_llm_folder_models(object_info: dict) -> 
     # the engine's own vocabulary, spelled once in a3b_core.options
     assert inputs["weight_format"][1]["options"] == list(WEIGHT_FORMATS)
     assert inputs["kv_cache"][1]["options"] == list(KV_FORMATS)
-    # ComfyUI here runs with --cpu on a machine without GPUs: its device, or the CPU; the last widget, optional
+    # ComfyUI here runs with --cpu on a machine without GPUs: its device, or the CPU; the last widgets, optional
     assert inputs["device"][1]["options"] == ["auto", "cpu"] and inputs["device"][1]["default"] == "auto"
-    assert list(object_info["A3BModelLoader"]["input"]["optional"]) == ["device"]
+    assert inputs["chat_template"][1]["options"] == list(CHAT_TEMPLATES)
+    assert inputs["chat_template"][1]["default"] == "auto"
+    assert list(object_info["A3BModelLoader"]["input"]["optional"]) == ["device", "chat_template"]
 
 
 def test_generate_defaults_are_qwens_non_thinking_settings(object_info: dict) -> None:
