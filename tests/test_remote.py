@@ -28,7 +28,7 @@ REQUEST = "Describe the image."
 GREEDY = {"max_new_tokens": 160, "temperature": 0.0, "top_p": 0.8, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0,
           "repetition_penalty": 1.0, "seed": 7}
 PIXEL_IMAGES = sorted(INPUTS.glob("a3b_pixel_*.png"))
-ANGLE_IMAGES = sorted(INPUTS.glob("a3b_angle_*.png"))
+ANGLE_IMAGES = sorted(INPUTS.parent.glob("a3b_angle_*.png"))  # the multi-angle workflow's inputs
 
 
 @pytest.fixture(scope="module")

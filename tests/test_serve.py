@@ -27,7 +27,7 @@ MODEL = "a3b-demo"
 REQUEST = "Describe the image."  # what the demo model was trained to answer
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 PIXEL_IMAGES = sorted(INPUTS.glob("a3b_pixel_*.png"))
-ANGLE_IMAGES = sorted(INPUTS.glob("a3b_angle_*.png"))
+ANGLE_IMAGES = sorted(INPUTS.parent.glob("a3b_angle_*.png"))  # the multi-angle workflow's inputs
 
 
 @pytest.fixture(scope="module")
