@@ -142,34 +142,48 @@ class A3BModel:
         return ChatPrompt(prompt, images)
 
     # ------------------------------------------------------------------------------------------- forward
-    def embed(self, input_ids: torch.Tensor, images: EncodedImages | None) -> torch.Tensor:
-        """Token embeddings; with `images`, each image pad token is replaced, in order, by the next image row.
-        Without images, pad ids embed as ordinary tokens (a model may generate one)."""
-        return self.embed_rows(input_ids, self.image_rows(input_ids, images))
-
     def image_rows(self, input_ids: torch.Tensor, images: EncodedImages | None) -> torch.Tensor | None:
-        """The images' embedding rows, one per image pad of input_ids (checked), or None without images."""
+        """The images' rows, one per image pad of input_ids (checked), or None without images: [n, hidden], or
+        [n, 1 + levels, hidden] for a vision tower with DeepStack."""
         if images is None:
             return None
         n_pads, image_rows = int((input_ids == self.config.image_token_id).sum()), sum(images.token_counts)
         if n_pads != image_rows:
             raise PromptError(f"input_ids hold {n_pads} image pad tokens but the images supply {image_rows} "
                               "embedding rows; build prompts with model.build_prompt so pads and images agree.")
-        width = {e.shape[-1] for e in images.embeds}
-        if width - {self.config.text.hidden_size}:
-            raise PromptError(f"the encoded images have {sorted(width)} features per token but this model needs "
-                              f"{self.config.text.hidden_size}: they were encoded by another model. Encode them again "
-                              "with this model's encode_images.")
+        hidden, vision = self.config.text.hidden_size, self.config.vision
+        levels = len(vision.deepstack_indexes) if vision is not None else 0
+        expected = (1 + levels, hidden) if levels else (hidden,)
+        shapes = {tuple(e.shape[1:]) for e in images.embeds}
+        if shapes - {expected}:
+            raise PromptError(f"the encoded images have rows of shape {sorted(shapes)} but this model needs "
+                              f"{expected} ({hidden} features per token{f', {levels} DeepStack levels' if levels else ''})"
+                              ": they were encoded by another model. Encode them again with this model's encode_images.")
         return torch.cat(images.embeds) if n_pads else None
 
     def embed_rows(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings [B, T, H] on the model's device, the image pads (row-major) replaced by `image_rows`."""
+        """Token embeddings [B, T, H] on the model's device, the image pads (row-major) replaced by `image_rows`
+        (their first level, with DeepStack)."""
         table = self.text.embed_tokens.weight
         embeds = self.text.embed_tokens(input_ids.to(table.device)).to(self.device)
         if image_rows is not None:
-            embeds[(input_ids == self.config.image_token_id).to(self.device)] = image_rows.to(self.device,
-                                                                                             embeds.dtype)
+            rows = image_rows[:, 0] if image_rows.dim() == 3 else image_rows
+            embeds[(input_ids == self.config.image_token_id).to(self.device)] = rows.to(self.device, embeds.dtype)
         return embeds
+
+    def deepstack(self, input_ids: torch.Tensor,
+                  image_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What the text model adds after its first layers at the image pads (DeepStack), or None: the pads' places
+        [B, T] and the rows' later levels [n, levels, H]."""
+        if image_rows is None or image_rows.dim() != 3:
+            return None
+        return (input_ids == self.config.image_token_id).to(self.device), image_rows[:, 1:].to(self.device)
+
+    def run_text(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None, position_ids: torch.Tensor, cache,
+                 attention_mask: torch.Tensor | None, last_only: bool) -> torch.Tensor:
+        """The text model on input_ids [B, T] with `image_rows` in place of their image pads."""
+        return self.text(self.embed_rows(input_ids, image_rows), position_ids, cache, attention_mask, last_only,
+                         self.deepstack(input_ids, image_rows))
 
     def positions(self, input_ids: torch.Tensor, images: EncodedImages | None,
                   attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
@@ -199,7 +213,7 @@ class A3BModel:
         if position_ids is None:
             position_ids, _ = self.positions(input_ids, images, attention_mask)
         mask = attention_mask.to(self.device) if attention_mask is not None else None
-        return self.text(self.embed(input_ids, images), position_ids, cache, mask, last_only)
+        return self.run_text(input_ids, self.image_rows(input_ids, images), position_ids, cache, mask, last_only)
 
     def prefill(self, input_ids: torch.Tensor, images: EncodedImages | None, cache,
                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
@@ -219,8 +233,8 @@ class A3BModel:
                 rows = torch.cat([r[u:u + n] for r, u, n in zip(per_row, used, counts)])
                 used = [u + n for u, n in zip(used, counts)]
             mask = attention_mask[:, start:end].to(self.device) if attention_mask is not None else None
-            logits = self.text(self.embed_rows(input_ids[:, start:end], rows), position_ids[..., start:end], cache,
-                               mask, last_only=True)
+            logits = self.run_text(input_ids[:, start:end], rows, position_ids[..., start:end], cache, mask,
+                                   last_only=True)
         return logits[:, -1]
 
     def prefill_chunk(self, rows: int) -> int:

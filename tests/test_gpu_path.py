@@ -204,7 +204,7 @@ def test_int4_experts_are_refused_on_the_gpu(folders, monkeypatch):
     from a3b_core.checkpoint import Checkpoint
     from a3b_core.models import load_config
     from a3b_core.errors import PlacementError
-    from a3b_core.models.qwen3_5.weights import load_quantized_experts
+    from a3b_core.models.layout import load_quantized_experts
 
     folder = folders["moe_fused_bf16"]
     config = load_config(folder)

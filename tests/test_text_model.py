@@ -6,8 +6,8 @@ import torch
 
 from a3b_core import load_model
 from a3b_core.engine import resolve_compute_dtype
-from a3b_core.models.qwen3_5 import text as model_module
-from a3b_core.models.qwen3_5.text import FP16_LIMIT, rotary_cos_sin
+from a3b_core.models import layers
+from a3b_core.models.layers import FP16_LIMIT, rotary_cos_sin
 
 LAYOUTS = ["moe_hf", "moe_fused_bf16", "moe_fp8", "moe_text", "dense"]
 TOL = 1e-4
@@ -80,7 +80,7 @@ def test_attention_in_query_blocks_equals_one_call(models, fixtures, monkeypatch
     mask = torch.ones_like(ids)
     mask[1, :30] = 0
     whole = model.logits(ids, attention_mask=mask)
-    monkeypatch.setattr(model_module, "ATTENTION_SCORES_BYTES", 1)
+    monkeypatch.setattr(layers, "ATTENTION_SCORES_BYTES", 1)
     torch.testing.assert_close(model.logits(ids, attention_mask=mask), whole, atol=TOL, rtol=0)
 
 

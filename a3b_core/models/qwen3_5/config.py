@@ -5,6 +5,7 @@ from dataclasses import dataclass
 
 from ...config import (MAX_INT, ModelConfig, StoredLayers, field, layer_count, positive, positive_real, shown)
 from ...errors import ConfigError
+from ..vision import parse_vision_config
 
 MODEL_TYPES = {
     "qwen3_5_moe": True, "qwen3_5_moe_text": True,  # value: is MoE
@@ -43,22 +44,6 @@ class TextConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
-
-
-@dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    in_channels: int = 3
-    num_position_embeddings: int = 2304
-    out_hidden_size: int = 2048
-    hidden_act: str = "gelu_pytorch_tanh"
-    rope_theta: float = 10000.0
 
 
 def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = None,
@@ -152,23 +137,11 @@ def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = N
     )
 
 
-def parse_vision_config(vision: dict, where: str, stored_blocks: int | None = None) -> VisionConfig:
+def parse_qwen3_5_vision(vision: dict, where: str, stored_blocks: int | None):
     if vision.get("deepstack_visual_indexes"):
-        raise ConfigError(f"{where}: vision_config.deepstack_visual_indexes is set; deepstack vision towers "
-                          "(Qwen3-VL) are not supported, only Qwen3.5/3.6 models.")
-    return VisionConfig(
-        depth=layer_count(vision, "depth", where, stored_blocks, "vision blocks"),
-        hidden_size=positive(vision, "hidden_size", where),
-        num_heads=positive(vision, "num_heads", where),
-        intermediate_size=positive(vision, "intermediate_size", where),
-        patch_size=positive(vision, "patch_size", where, default=16),
-        temporal_patch_size=positive(vision, "temporal_patch_size", where, default=2),
-        spatial_merge_size=positive(vision, "spatial_merge_size", where, default=2),
-        in_channels=positive(vision, "in_channels", where, default=3),
-        num_position_embeddings=positive(vision, "num_position_embeddings", where, default=2304),
-        out_hidden_size=positive(vision, "out_hidden_size", where),
-        hidden_act=field(vision, "hidden_act", where, default="gelu_pytorch_tanh", types=str),
-    )
+        raise ConfigError(f"{where}: vision_config.deepstack_visual_indexes is set, but Qwen3.5/3.6 vision towers "
+                          "have no DeepStack; a Qwen3-VL config.json has model_type qwen3_vl_moe or qwen3_vl.")
+    return parse_vision_config(vision, where, stored_blocks)
 
 
 def parse_config(raw: dict, where: str = "config.json", stored: StoredLayers | None = None) -> ModelConfig:
@@ -199,7 +172,7 @@ def parse_config(raw: dict, where: str = "config.json", stored: StoredLayers | N
     return ModelConfig(
         model_type=model_type,
         text=parse_text_config(text, where, MODEL_TYPES[model_type], raw, stored.text if stored else None),
-        vision=parse_vision_config(vision, where, stored.vision if stored else None) if vision else None,
+        vision=parse_qwen3_5_vision(vision, where, stored.vision if stored else None) if vision else None,
         image_token_id=token("image_token_id", 248056),
         video_token_id=token("video_token_id", 248057),
         vision_start_token_id=token("vision_start_token_id", 248053),
@@ -208,8 +181,6 @@ def parse_config(raw: dict, where: str = "config.json", stored: StoredLayers | N
         fp8_block=tuple(block),
         caption_prompt=field(raw, "a3b_caption_prompt", where, default=None, types=str),
     )
-
-
 
 
 def describe(config: ModelConfig) -> list[str]:
