@@ -73,6 +73,7 @@ class A3BModel:
         self.folder = folder
         self.config = config
         self.family = family_for(config.model_type)
+        self.fixed_thinking = self.family.fixed_thinking(folder)  # a model that always (never) thinks: True (False)
         self.text = text
         self.vision = vision
         self.tokenizer = tokenizer
@@ -136,9 +137,11 @@ class A3BModel:
         if not isinstance(images, EncodedImages):
             raise PromptError(f"images is a {type(images).__name__}; pass the result of model.encode_images(...), "
                               "which turns pictures into what the model reads.")
+        if self.fixed_thinking is not None:  # the model's variant decides, whatever the prompt asks
+            thinking = self.fixed_thinking
         prompt = self.family.build_prompt(self.require_tokenizer(), user, system=system,
-                                          image_token_counts=images.token_counts,
-                              thinking=thinking, history=history, add_vision_id=add_vision_id)
+                                          image_token_counts=images.token_counts, thinking=thinking, history=history,
+                                          add_vision_id=add_vision_id)
         return ChatPrompt(prompt, images)
 
     # ------------------------------------------------------------------------------------------- forward
