@@ -196,8 +196,10 @@ def eos_token_ids(text: dict, top: dict, vocab: int, where: str) -> tuple[int, .
 
 
 def experts_per_token(text: dict, where: str) -> tuple[int, int]:
-    """(num_experts, num_experts_per_tok) of a mixture-of-experts text config."""
-    experts = positive(text, "num_experts", where)
+    """(num_experts, num_experts_per_tok) of a mixture-of-experts text config; transformers writes the expert count
+    of some families as num_local_experts."""
+    experts = positive(text, "num_experts" if "num_experts" in text or "num_local_experts" not in text
+                       else "num_local_experts", where)
     per_token = positive(text, "num_experts_per_tok", where)
     if per_token > experts:
         raise ConfigError(f"{where}: num_experts_per_tok is {per_token} but there are only {experts} experts. Use "

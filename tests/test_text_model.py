@@ -18,7 +18,7 @@ def models(fixtures):
     return {name: load_model(getattr(fixtures, name), preset="cpu", compute_dtype="float32") for name in LAYOUTS}
 
 
-def logits_and_router_choices(model, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def logits_and_router_choices(model, ids: torch.Tensor, images=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The logits, and each MoE layer's top-k experts per token, read from its router's output by a forward hook
     (in fp32 the router is its own Linear, `mlp.gate`)."""
     chosen, hooks = [], []
@@ -28,7 +28,7 @@ def logits_and_router_choices(model, ids: torch.Tensor) -> tuple[torch.Tensor, l
             hooks.append(layer.mlp.gate.register_forward_hook(
                 lambda _module, _inputs, out, k=k: chosen.append(out.float().topk(k, dim=-1).indices)))
     try:
-        return model.logits(ids), chosen
+        return model.logits(ids, images=images), chosen
     finally:
         for hook in hooks:
             hook.remove()

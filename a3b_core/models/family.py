@@ -39,4 +39,5 @@ class Family:
     expert_layout: Callable[[ModelConfig, Tensors], str]  # how routed experts are stored, for `inspect`
     kv_bytes: Callable[[ModelConfig, int, str, str], int]  # (config, tokens, kv format, compute format)
     state_bytes: Callable[[ModelConfig], int]  # recurrent state of one sequence, at any length
+    state_part: str  # the planner's name for that state ("<kind>_state"), "" for a family without one
     prefill_chunk: Callable[[ModelConfig, int, int, str], int]  # (config, workspace, rows, compute format) -> tokens

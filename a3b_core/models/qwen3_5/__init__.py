@@ -18,4 +18,5 @@ FAMILY = Family(
     stored_layers=stored_layers, text_model=TextModel, vision_tower=VisionTower, load_text=load_text_model,
     place_text=place_text_model, vision_prefixes=VISION_PREFIXES, vision_probe=VISION_PROBE,
     build_prompt=build_prompt, fixed_thinking=thinking_as_asked, positions=positions, new_cache=Cache,
-    classify=classify, expert_layout=expert_layout, kv_bytes=kv_bytes, state_bytes=deltanet_state_bytes, prefill_chunk=prefill_chunk)
+    classify=classify, expert_layout=expert_layout, kv_bytes=kv_bytes, state_bytes=deltanet_state_bytes,
+    state_part="deltanet_state", prefill_chunk=prefill_chunk)

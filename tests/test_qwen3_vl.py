@@ -1,0 +1,108 @@
+"""The Qwen3-VL family against the transformers oracle, on tiny checkpoints of every released layout (fused BF16
+experts stored transposed, FP8 per expert, dense) and transformers' own: text, one image, two images of different
+sizes (DeepStack included), cached decoding and greedy generation."""
+import pytest
+import torch
+
+from a3b_core import load_model
+from a3b_core.checkpoint import Checkpoint
+from a3b_core.generation import generate
+from a3b_core.inputs import ChatPrompt, EncodedImages
+from a3b_core.models.kv_cache import KVCache
+from a3b_core.prompt import Prompt
+from tests.test_text_model import logits_and_router_choices
+from tests.tiny_qwen3_vl import MOE_DIMS, build_qwen3_vl_fixtures
+
+LAYOUTS = ["moe_hf", "moe_bf16", "moe_fp8", "dense"]
+TOL = 1e-4
+GROUPS = {"image_a": ["square_image"], "image_ab": ["square_image", "wide_image"]}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def vl():
+    return build_qwen3_vl_fixtures()
+
+
+@pytest.fixture(scope="module")
+def models(vl):
+    return {name: load_model(getattr(vl, name), preset="cpu", compute_dtype="float32") for name in LAYOUTS}
+
+
+def test_the_layouts_are_the_releases(vl, models):
+    assert {m.family.name for m in models.values()} == {"Qwen3-VL"}
+    assert models["dense"].config.model_type == "qwen3_vl" and not models["dense"].config.text.is_moe
+    assert models["moe_bf16"].config.text.num_experts == models["moe_hf"].config.text.num_experts == 8
+    tensors = {name: Checkpoint(getattr(vl, name)).infos["model.language_model.layers.0.mlp.experts.gate_up_proj"]
+               .shape for name in ("moe_hf", "moe_bf16")}
+    e, i, h = MOE_DIMS["num_experts"], MOE_DIMS["moe_intermediate_size"], 128
+    assert tensors == {"moe_hf": (e, 2 * i, h), "moe_bf16": (e, h, 2 * i)}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_text_logits_and_router_match_reference(vl, models, layout):
+    model, refs = models[layout], vl.refs(getattr(vl, layout))
+    logits, chosen = logits_and_router_choices(model, refs["text.input_ids"])
+    diff = (logits - refs["text.logits"]).abs().max().item()
+    assert diff <= TOL, f"max |logit diff| {diff:.2e}"
+    assert len(chosen) == (4 if model.config.text.is_moe else 0)
+    for i, experts in enumerate(chosen):
+        assert torch.equal(experts, refs[f"text.router_topk_L{i}"]), f"layer {i} router choices differ"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_cached_steps_equal_one_full_forward(vl, models, layout):
+    model = models[layout]
+    ids = vl.refs(getattr(vl, layout))["text.input_ids"]
+    full = model.logits(ids)
+    cache = model.new_cache(batch=2, max_len=ids.shape[1])
+    assert type(cache) is KVCache and len(cache.keys) == model.config.text.num_layers
+    pieces = [model.forward(ids[:, :70], cache=cache)]
+    for t in range(70, 80):
+        pieces.append(model.forward(ids[:, t:t + 1], cache=cache, position_ids=torch.tensor(t).expand(3, 2, 1)))
+    torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=TOL, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("group", GROUPS)
+def test_image_prompt_matches_reference(vl, models, layout, group):
+    model, refs = models[layout], vl.refs(getattr(vl, layout))
+    images = model.encode_images([getattr(vl, name) for name in GROUPS[group]], resize="native")
+    assert images.grids == [tuple(g) for g in refs[f"{group}.image_grid_thw"].tolist()]
+    torch.testing.assert_close(torch.cat(images.embeds), refs[f"{group}.image_embeds"], atol=1e-5, rtol=0)
+    ids = refs[f"{group}.input_ids"]
+    positions, deltas = model.positions(ids, images)
+    assert torch.equal(positions, refs[f"{group}.position_ids"])
+    assert deltas == refs[f"{group}.rope_deltas"].flatten().tolist()
+    logits, chosen = logits_and_router_choices(model, ids, images)
+    diff = (logits - refs[f"{group}.logits"]).abs().max().item()
+    assert diff <= TOL, f"max |logit diff| {diff:.2e}"
+    for i, experts in enumerate(chosen):
+        assert torch.equal(experts, refs[f"{group}.router_topk_L{i}"]), f"layer {i} router choices differ"
+
+
+def test_deepstack_levels_are_added_after_the_first_layers(vl, models):
+    """Without its DeepStack levels an image gives other logits: the levels are used, at the image positions."""
+    model, refs = models["moe_bf16"], vl.refs(vl.moe_bf16)
+    images = model.encode_images(vl.square_image, resize="native")
+    ids = refs["image_a.input_ids"]
+    rows = model.image_rows(ids, images)
+    assert rows.shape == (144, 4, 128)  # the merger's output, then 3 levels
+    positions, _ = model.positions(ids, images)
+    with torch.inference_mode():
+        with_levels = model.run_text(ids, rows, positions, None, None, last_only=False)
+        without = model.text(model.embed_rows(ids, rows), positions)
+    torch.testing.assert_close(with_levels, refs["image_a.logits"], atol=TOL, rtol=0)
+    assert (without - refs["image_a.logits"]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("group", ["gen_text", "gen_image"])
+def test_greedy_generation_matches_reference(vl, models, layout, group):
+    model, refs = models[layout], vl.refs(getattr(vl, layout))
+    images = model.encode_images(vl.square_image, resize="native") if group == "gen_image" else EncodedImages([], [])
+    prompt = ChatPrompt(Prompt(tuple(refs[f"{group}.prompt_ids"][0].tolist()), tuple(images.token_counts), False, ""),
+                        images)
+    result = generate(model, prompt, max_new_tokens=32, temperature=0)
+    assert result.token_ids == refs[f"{group}.output_ids"][0].tolist()
