@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -145,3 +146,29 @@ def test_live_text_and_stop(thinking_folder):
     stopped = model.generate(prompt, max_new_tokens=8, temperature=0, should_stop=lambda: next(steps) >= 3)
     assert stopped.stop_reason == "cancelled" and 0 < len(stopped.token_ids) < 8
     assert stopped.token_ids == full.token_ids[:len(stopped.token_ids)]
+
+
+def test_the_nodes_per_image_pipeline_runs_a_qwen3_vl_model():
+    """Image Encode's batch -> a per-image prompt with a system message and [[IMG]] -> Generate, as the example
+    workflows wire them: one answer per image, each the engine's own for that image alone."""
+    import numpy as np
+    from PIL import Image
+
+    from nodes.generation import generate_answers
+    from nodes.image_batch import encode_image_batch
+    from nodes.prompt_spec import PER_IMAGE, PromptSpec, build_prompts
+
+    fixtures = build_qwen3_vl_fixtures()
+    model = load_model(fixtures.moe_bf16, preset="cpu", compute_dtype="float32")
+    square = np.asarray(Image.open(fixtures.square_image).convert("RGB").resize((128, 128)), dtype=np.float32) / 255
+    batch = torch.from_numpy(np.stack([square, square[::-1].copy()]))
+    images = encode_image_batch(model, batch, 128, "stretch", True)
+    spec = PromptSpec(user="Describe [[IMG]] briefly.", system="You caption images.", images=images)
+    prompts = build_prompts(model, spec, PER_IMAGE)
+    streamed = {}
+    answers = generate_answers(model, prompts, thinking_budget=0, on_text=streamed.__setitem__, max_new_tokens=6,
+                               temperature=0)
+    alone = [model.generate(model.build_prompt("Describe [[IMG]] briefly.", system="You caption images.",
+                                               images=images[i]), max_new_tokens=6, temperature=0) for i in (0, 1)]
+    assert [a.token_ids for a in answers] == [a.token_ids for a in alone]
+    assert [streamed.get(i, "") for i in (0, 1)] == [a.full_text for a in answers]  # nothing streams an empty text
