@@ -176,11 +176,13 @@ class A3BModel:
 
     def deepstack(self, input_ids: torch.Tensor,
                   image_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """What the text model adds after its first layers at the image pads (DeepStack), or None: the pads' places
-        [B, T] and the rows' later levels [n, levels, H]."""
+        """What the text model adds after its first layers at the image pads (DeepStack), or None: the pads' indices
+        among the B*T tokens [n] (found in RAM, where input_ids are, so the device never reports a count back) and
+        the rows' later levels [n, levels, H]."""
         if image_rows is None or image_rows.dim() != 3:
             return None
-        return (input_ids == self.config.image_token_id).to(self.device), image_rows[:, 1:].to(self.device)
+        pads = (input_ids.cpu() == self.config.image_token_id).flatten().nonzero().squeeze(1)
+        return pads.to(self.device), image_rows[:, 1:].to(self.device)
 
     def run_text(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None, position_ids: torch.Tensor, cache,
                  attention_mask: torch.Tensor | None, last_only: bool) -> torch.Tensor:

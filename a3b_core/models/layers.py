@@ -284,9 +284,9 @@ class DecoderModel(nn.Module):
                 attention_mask: torch.Tensor | None = None, last_only: bool = False,
                 deepstack: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """inputs_embeds [B, T, H]; position_ids [3, B, T]; attention_mask [B, T] (1 = real token, 0 = left padding)
-        covering only these T tokens; `deepstack` (DeepStack models with images): the image positions [B, T] (bool)
-        and their features [n, levels, H], level i added to the hidden states there after decoder layer i. Returns
-        fp32 logits [B, T, V] (or [B, 1, V] with last_only)."""
+        covering only these T tokens; `deepstack` (DeepStack models with images): the image positions as indices
+        into the B*T tokens [n] and their features [n, levels, H], level i added to the hidden states there after
+        decoder layer i. Returns fp32 logits [B, T, V] (or [B, 1, V] with last_only)."""
         cos, sin = rotary_cos_sin(self.cfg, position_ids)
         key_mask = None
         if cache is not None:
@@ -298,8 +298,8 @@ class DecoderModel(nn.Module):
         for index, layer in enumerate(self.layers):
             x = layer(x, cos, sin, cache, attention_mask, key_mask)
             if index < levels:
-                where, features = deepstack
-                x = x.index_put((where,), x[where] + features[:, index].to(x.device, x.dtype))
+                rows, features = deepstack
+                x = x.flatten(0, 1).index_add(0, rows, features[:, index].to(x.dtype)).view_as(x)
         if cache is not None:
             cache.advance(inputs_embeds.shape[1])
         if last_only:
