@@ -177,7 +177,7 @@ def rope_config(text: dict, top: dict, where: str, head_dim: int, partial_defaul
                           "Use the config.json that came with the model.")
     if sum(section) != rotary_dim // 2:
         raise ConfigError(f"{where}: mrope_section {list(section)} sums to {sum(section)}; expected rotary_dim/2 = "
-                          f"{rotary_dim // 2}.")
+                          f"{rotary_dim // 2}. Use the config.json that came with the model.")
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "mrope"):
         raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only the default, unscaled rotary "

@@ -1,15 +1,21 @@
 """The Qwen3-VL family against the transformers oracle, on tiny checkpoints of every released layout (fused BF16
 experts stored transposed, FP8 per expert, dense) and transformers' own: text, one image, two images of different
 sizes (DeepStack included), cached decoding and greedy generation."""
+import json
+from pathlib import Path
+
 import pytest
 import torch
 
 from a3b_core import load_model
 from a3b_core.checkpoint import Checkpoint
+from a3b_core.errors import ConfigError
 from a3b_core.generation import generate
 from a3b_core.inputs import ChatPrompt, EncodedImages
+from a3b_core.models import family_for, parse_config
 from a3b_core.models.kv_cache import KVCache
 from a3b_core.prompt import Prompt
+from tests.test_bad_inputs import FIX
 from tests.test_text_model import logits_and_router_choices
 from tests.tiny_qwen3_vl import MOE_DIMS, build_qwen3_vl_fixtures
 
@@ -106,3 +112,54 @@ def test_greedy_generation_matches_reference(vl, models, layout, group):
                         images)
     result = generate(model, prompt, max_new_tokens=32, temperature=0)
     assert result.token_ids == refs[f"{group}.output_ids"][0].tolist()
+
+
+# ----------------------------------------------------------------------------------------------- config.json
+REAL_CONFIG = Path(__file__).parent / "data" / "qwen3_vl_30b_a3b.config.json"
+
+
+def real_raw() -> dict:
+    return json.loads(REAL_CONFIG.read_text())
+
+
+def test_the_released_config_parses():
+    config = parse_config(real_raw())
+    t, v = config.text, config.vision
+    assert (t.num_layers, t.num_heads, t.num_kv_heads, t.head_dim, t.rotary_dim) == (48, 32, 4, 128, 128)
+    assert t.mrope_section == (24, 20, 20) and t.mrope_interleaved and t.rope_theta == 5e6
+    assert (t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size) == (128, 8, 768) and all(t.moe_layers)
+    assert v.deepstack_indexes == (8, 16, 24) and v.depth == 27 and v.out_hidden_size == 2048
+    assert (config.image_token_id, config.vision_start_token_id, t.eos_token_ids) == (151655, 151652, (151645,))
+
+
+def test_mlp_only_layers_get_the_dense_mlp():
+    raw = real_raw()
+    raw["text_config"] |= {"mlp_only_layers": [1], "num_hidden_layers": 4, "decoder_sparse_step": 1}
+    config = parse_config(raw)
+    assert config.text.moe_layers == (True, False, True, True)
+    with torch.device("meta"):
+        text = family_for("qwen3_vl_moe").text_model(config.text)
+    assert [hasattr(layer.mlp, "experts") for layer in text.layers] == [True, False, True, True]
+    assert text.layers[1].mlp.up_proj.weight.shape == (6144, 2048)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda raw: raw["text_config"].update(attention_bias=True), "attention_bias is true"),
+    (lambda raw: raw["text_config"].update(mlp_only_layers=[48]), r"mlp_only_layers is \[48\]"),
+    (lambda raw: raw["vision_config"].update(deepstack_visual_indexes=[8, 27]), "deepstack_visual_indexes is"),
+    (lambda raw: raw["text_config"]["rope_scaling"].update(mrope_section=[24, 20, 19]), "sums to 63"),
+    (lambda raw: raw["text_config"].pop("num_experts"), "'num_experts' is missing"),
+])
+def test_bad_configs_are_named(change, message):
+    raw = real_raw()
+    change(raw)
+    with pytest.raises(ConfigError, match=message) as error:
+        parse_config(raw, "Qwen3-VL/config.json")
+    assert str(error.value).startswith("Qwen3-VL/config.json: ") and FIX.search(str(error.value))
+
+
+def test_a_qwen3_5_config_with_deepstack_points_at_qwen3_vl():
+    raw = json.loads((Path(__file__).parent / "data" / "qwen3_5_35b_a3b.config.json").read_text())
+    raw["vision_config"]["deepstack_visual_indexes"] = [8, 16, 24]
+    with pytest.raises(ConfigError, match="model_type qwen3_vl_moe or qwen3_vl"):
+        parse_config(raw)
