@@ -159,9 +159,10 @@ class A3BModel:
         expected = (1 + levels, hidden) if levels else (hidden,)
         shapes = {tuple(e.shape[1:]) for e in images.embeds}
         if shapes - {expected}:
-            raise PromptError(f"the encoded images have rows of shape {sorted(shapes)} but this model needs "
-                              f"{expected} ({hidden} features per token{f', {levels} DeepStack levels' if levels else ''})"
-                              ": they were encoded by another model. Encode them again with this model's encode_images.")
+            deepstack = f", {levels} DeepStack levels" if levels else ""
+            raise PromptError(f"the encoded images have rows of shape {sorted(shapes)} but this model needs {expected} "
+                              f"({hidden} features per token{deepstack}): they were encoded by another model. Encode "
+                              "them again with this model's encode_images.")
         return torch.cat(images.embeds) if n_pads else None
 
     def embed_rows(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
@@ -286,9 +287,9 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
                weight_format: str = "auto", kv_cache: str = "auto", max_context: int | None = None,
                progress: Progress | None = None, device: str | torch.device = "auto",
                ram_budget: int | None = None) -> A3BModel:
-    """Loads a Qwen3.5/3.6 model folder (or the embedded demo model) as the preset's placement plan says, on `device`
-    ("auto": the first CUDA GPU if there is one; "cpu"; "cuda" or "cuda:N"). The plan may use `ram_budget` bytes of
-    RAM (default: what the system reports available).
+    """Loads a model folder of a supported family (models/), or an embedded demo model, as the preset's placement plan
+    says, on `device` ("auto": the first CUDA GPU if there is one; "cpu"; "cuda" or "cuda:N"). The plan may use
+    `ram_budget` bytes of RAM (default: what the system reports available).
 
     preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
     started = time.perf_counter()

@@ -103,6 +103,18 @@ def test_deepstack_levels_are_added_after_the_first_layers(vl, models):
     assert (without - refs["image_a.logits"]).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("chunk", [16, 100])
+def test_a_prompt_with_images_prefilled_in_chunks_equals_one_forward(vl, models, chunk):
+    """Chunks that cut through an image take its rows and DeepStack levels in order."""
+    model, refs = models["moe_bf16"], vl.refs(vl.moe_bf16)
+    images = model.encode_images([vl.square_image, vl.wide_image], resize="native")
+    ids = refs["image_ab.input_ids"]
+    cache = model.new_cache(batch=1, max_len=ids.shape[1])
+    positions, _ = model.positions(ids, images)
+    last = model.prefill(ids, images, cache, None, positions, chunk=chunk)
+    torch.testing.assert_close(last, refs["image_ab.logits"][:, -1], atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("group", ["gen_text", "gen_image"])
 def test_greedy_generation_matches_reference(vl, models, layout, group):

@@ -64,8 +64,8 @@ def transformers_tensors(raw: dict) -> dict[str, tuple[tuple[int, ...], torch.dt
     """Names and shapes of transformers' model for this config.json, as it holds them."""
     import transformers
     moe = raw["model_type"] == "qwen3_vl_moe"
-    config_class = transformers.Qwen3VLMoeConfig if moe else transformers.Qwen3VLConfig
-    model_class = transformers.Qwen3VLMoeForConditionalGeneration if moe else transformers.Qwen3VLForConditionalGeneration
+    config_class, model_class = ((transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration)
+                                 if moe else (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration))
     config = config_class(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type",
                                                                          "transformers_version")})
     with torch.device("meta"):

@@ -98,8 +98,8 @@ def test_matches_official_on_generated_conversations(tok, user, system, turns, e
 def test_the_variant_is_read_from_the_folders_chat_template(tmp_path):
     thinking = (DATA / "qwen3_vl_thinking_chat_template.jinja").read_text(encoding="utf-8")
     instruct = (DATA / "qwen3_vl_instruct_chat_template.jinja").read_text(encoding="utf-8")
-    cases = {"a/chat_template.jinja": (thinking, True), "b/chat_template.json": (json.dumps({"chat_template": instruct}),
-                                                                                 False),
+    cases = {"a/chat_template.jinja": (thinking, True),
+             "b/chat_template.json": (json.dumps({"chat_template": instruct}), False),
              "c/tokenizer_config.json": (json.dumps({"added_tokens_decoder": {"1": {"content": "<think>"}},
                                                      "chat_template": instruct}), False),
              "d/tokenizer_config.json": (json.dumps({"chat_template": thinking}), True)}

@@ -76,8 +76,9 @@ def render(chat: ChatFormat, tokenizer: Tokenizer, user: str, *, system: str | N
     images_before = 0
     for number, turn in enumerate(history, start=1):
         where = f"history turn {number}"
-        parts.append(_message("user", trim(_user_content(turn.user, turn.num_images, images_before, add_vision_id,
-                                                         f"{where} user text", f"its num_images is {turn.num_images}"))))
+        content = _user_content(turn.user, turn.num_images, images_before, add_vision_id, f"{where} user text",
+                                f"its num_images is {turn.num_images}")
+        parts.append(_message("user", trim(content)))
         parts.append(_message("assistant", chat.answer(turn)))
         images_before += turn.num_images
 

@@ -138,7 +138,8 @@ class Attention(nn.Module):
         return self.o_proj(o)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, key_mask: torch.Tensor | None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+           key_mask: torch.Tensor | None) -> torch.Tensor:
     """Attention of t queries [B, H, t, D] at positions start.. over s = start + t keys [B, Hkv, s, D]: causal over
     absolute positions, with padding (key_mask [B, S]) masked out.
 

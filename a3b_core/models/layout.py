@@ -48,9 +48,10 @@ ExpertPlacement = Callable[[int], tuple[str, torch.device]]  # layer -> (expert 
 def load_text_model(module: nn.Module, cfg: Any, ckpt: Checkpoint, compute_dtype: torch.dtype,
                     progress: Progress | None = None, expert_placement: ExpertPlacement | None = None,
                     cache_dirs: Mapping[str, Path] | None = None, keep_fp8: bool = False) -> str:
-    """Fills a meta-device text model (layers.DecoderModel) whose config `cfg` has the fields of layers.py. Routed experts follow `expert_placement` (default: the compute dtype, on the
-    CPU): float formats are loaded on the CPU (placing the model moves them), quantised ones are built on their
-    device; int8/int4 are converted one expert at a time and cached under `cache_dirs[format]` for the next load.
+    """Fills a meta-device text model (layers.DecoderModel; `cfg` has the fields layers.py reads). Routed experts
+    follow `expert_placement` (default: the compute dtype, on the CPU): float formats are loaded on the CPU (placing
+    the model moves them), quantised ones are built on their device; int8/int4 are converted one expert at a time
+    and cached under `cache_dirs[format]` for the next load.
     With `keep_fp8`, dense matrices stored as FP8 stay FP8 (Fp8Linear). A tied lm_head is the embedding's own
     Parameter. Returns the checkpoint's name prefix."""
     prefix = find_prefix(ckpt, "embed_tokens.weight", TEXT_PREFIXES, "language model")
