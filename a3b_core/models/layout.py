@@ -106,9 +106,13 @@ def load_experts(ckpt: Checkpoint, base: str, cfg: Any, which: str, dtype: torch
     """One layer's routed experts as the fused tensor `which` ("gate_up_proj" [E, 2I, H] or "down_proj" [E, H, I])."""
     e = cfg.num_experts
     fused = base + which
-    if fused in ckpt and ckpt.infos[fused].shape == expert_shape(cfg, which, fused=True):
+    shape = expert_shape(cfg, which, fused=True)
+    if fused in ckpt and ckpt.infos[fused].shape == shape:
         return ckpt.weight(fused, dtype)
-    out = torch.empty(expert_shape(cfg, which, fused=True), dtype=dtype)
+    info = ckpt.infos.get(fused)
+    if info is not None and info.shape == (e, shape[2], shape[1]) and info.dtype not in FP8_DTYPES:  # transposed
+        return ckpt.raw(fused).transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    out = torch.empty(shape, dtype=dtype)
     for j in range(e):
         out[j] = expert_matrix(ckpt, base, cfg, which, j).to(dtype)
     return out
