@@ -2,14 +2,16 @@
 experts stored transposed, FP8 per expert, dense) and transformers' own: text, one image, two images of different
 sizes (DeepStack included), cached decoding and greedy generation."""
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from a3b_core import load_model
 from a3b_core.checkpoint import Checkpoint
-from a3b_core.errors import ConfigError
+from a3b_core.errors import CheckpointError, ConfigError
 from a3b_core.generation import generate
 from a3b_core.inputs import ChatPrompt, EncodedImages
 from a3b_core.models import family_for, parse_config
@@ -175,3 +177,18 @@ def test_a_qwen3_5_config_with_deepstack_points_at_qwen3_vl():
     raw["vision_config"]["deepstack_visual_indexes"] = [8, 16, 24]
     with pytest.raises(ConfigError, match="model_type qwen3_vl_moe or qwen3_vl"):
         parse_config(raw)
+
+
+def test_fused_experts_stored_as_fp8_are_refused_not_misread(vl, tmp_path):
+    """No release stores fused experts in FP8; such a tensor must not be read as if its e4m3 values were weights."""
+    folder = tmp_path / "fused_fp8"
+    shutil.copytree(vl.moe_bf16, folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    shard = folder / index["weight_map"][name]
+    tensors = load_file(shard)
+    tensors[name] = tensors[name].to(torch.float8_e4m3fn)
+    save_file(tensors, shard)
+    with pytest.raises(CheckpointError, match=f"'{name}' is stored as FP8.*fused") as error:
+        load_model(folder, preset="cpu", compute_dtype="float32")
+    assert FIX.search(str(error.value))

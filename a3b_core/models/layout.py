@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import devices
 from ..backends.experts import FP8_BLOCK, Fp8Linear, QuantizedExperts, convert_experts
-from ..checkpoint import FP8_DTYPES, Checkpoint
+from ..checkpoint import FP8_DTYPES, Checkpoint, TensorInfo
 from ..config import ModelConfig, StoredLayers
 from ..errors import CheckpointError
 from ..options import FLOAT_FORMATS, FORMAT_OF_DTYPE
@@ -107,15 +107,26 @@ def load_experts(ckpt: Checkpoint, base: str, cfg: Any, which: str, dtype: torch
     e = cfg.num_experts
     fused = base + which
     shape = expert_shape(cfg, which, fused=True)
-    if fused in ckpt and ckpt.infos[fused].shape == shape:
+    info = fused_experts(ckpt, fused)
+    if info is not None and info.shape == shape:
         return ckpt.weight(fused, dtype)
-    info = ckpt.infos.get(fused)
-    if info is not None and info.shape == (e, shape[2], shape[1]) and info.dtype not in FP8_DTYPES:  # transposed
+    if info is not None and info.shape == (e, shape[2], shape[1]):  # stored transposed
         return ckpt.raw(fused).transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
     out = torch.empty(shape, dtype=dtype)
     for j in range(e):
         out[j] = expert_matrix(ckpt, base, cfg, which, j).to(dtype)
     return out
+
+
+def fused_experts(ckpt: Checkpoint, fused: str) -> TensorInfo | None:
+    """The header entry of a fused expert tensor, None if the checkpoint stores experts one by one. Fused experts
+    are released in bf16 only; FP8 ones would need per-expert block scales no release defines."""
+    info = ckpt.infos.get(fused)
+    if info is not None and info.dtype in FP8_DTYPES:
+        raise CheckpointError(f"{info.file}: tensor '{fused}' is stored as FP8 in the fused experts layout, which no "
+                              "release uses (the FP8 releases store each expert on its own with block scales). Use "
+                              "the model's official BF16 or FP8 release.")
+    return info
 
 
 def expert_shape(cfg: Any, which: str, fused: bool = False) -> tuple[int, ...]:
@@ -129,7 +140,7 @@ def expert_matrix(ckpt: Checkpoint, base: str, cfg: Any, which: str, j: int) -> 
     fused-transposed (told apart by shape: H != I != 2I in every real model), or per-expert (FP8 or not)."""
     out_dim, in_dim = expert_shape(cfg, which)
     fused = base + which
-    if fused in ckpt:
+    if fused_experts(ckpt, fused) is not None:
         shape = ckpt.infos[fused].shape
         if shape == (cfg.num_experts, out_dim, in_dim):
             return ckpt.raw(fused)[j].float()
