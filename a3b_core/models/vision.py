@@ -50,16 +50,25 @@ def parse_vision_config(vision: dict, where: str, stored_blocks: int | None = No
         raise ConfigError(f"{where}: vision_config.deepstack_visual_indexes is {deepstack!r}; expected distinct block "
                           f"indices from 0 to {depth - 1} (depth {depth}). Use the config.json that came with the "
                           "model.")
+    hidden, heads = positive(vision, "hidden_size", where), positive(vision, "num_heads", where)
+    if hidden % heads or hidden // heads % 4:
+        raise ConfigError(f"{where}: vision_config hidden_size {hidden} / num_heads {heads} must give a whole head size "
+                          "divisible by 4 (2-D rotary over half-size pairs). Use the config.json that came with the "
+                          "model.")
+    positions = positive(vision, "num_position_embeddings", where, default=2304)
+    if math.isqrt(positions) ** 2 != positions:
+        raise ConfigError(f"{where}: vision_config.num_position_embeddings is {positions}; expected a square number "
+                          "(the learned table is a square grid). Use the config.json that came with the model.")
     return VisionConfig(
         depth=depth,
-        hidden_size=positive(vision, "hidden_size", where),
-        num_heads=positive(vision, "num_heads", where),
+        hidden_size=hidden,
+        num_heads=heads,
         intermediate_size=positive(vision, "intermediate_size", where),
         patch_size=positive(vision, "patch_size", where, default=16),
         temporal_patch_size=positive(vision, "temporal_patch_size", where, default=2),
         spatial_merge_size=positive(vision, "spatial_merge_size", where, default=2),
         in_channels=positive(vision, "in_channels", where, default=3),
-        num_position_embeddings=positive(vision, "num_position_embeddings", where, default=2304),
+        num_position_embeddings=positions,
         out_hidden_size=positive(vision, "out_hidden_size", where),
         hidden_act=field(vision, "hidden_act", where, default="gelu_pytorch_tanh", types=str),
         deepstack_indexes=tuple(deepstack),
@@ -196,14 +205,7 @@ class VisionTower(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.cfg = cfg
-        self.pos_side = math.isqrt(cfg.num_position_embeddings)
-        if self.pos_side ** 2 != cfg.num_position_embeddings:
-            raise ConfigError(f"config.json: vision_config.num_position_embeddings is {cfg.num_position_embeddings}; "
-                              "expected a square number (the learned table is a square grid).")
-        head_dim = cfg.hidden_size // cfg.num_heads
-        if head_dim * cfg.num_heads != cfg.hidden_size or head_dim % 4:
-            raise ConfigError(f"config.json: vision_config hidden_size {cfg.hidden_size} / num_heads {cfg.num_heads} "
-                              "must give a whole head size divisible by 4 (2-D rotary over half-size pairs).")
+        self.pos_side = math.isqrt(cfg.num_position_embeddings)  # a square table (parse_vision_config checks)
         self.patch_embed = PatchEmbed(cfg)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
