@@ -1,5 +1,5 @@
-"""The model folder's own chat template (chat_template.jinja, or tokenizer_config.json's "chat_template"), rendered
-in a sandbox.
+"""The model folder's own chat template (chat_template.jinja, or the "chat_template" of chat_template.json or
+tokenizer_config.json), rendered in a sandbox.
 
 Every released Qwen model folder ships its template, and fine-tunes edit it, so a folder's template is what the model
 was trained to read. A template is untrusted text: it is compiled once, at load, in jinja2's immutable sandbox (no
@@ -32,7 +32,7 @@ from .prompt import IMAGE_PAD, ImagePart, Message, Prompt, Turn, conversation, t
 from .tokenizer import Tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
-TOKENIZER_CONFIG = "tokenizer_config.json"
+JSON_FILES = ("chat_template.json", "tokenizer_config.json")  # files whose "chat_template" field may hold it
 MAX_FILE_BYTES = 8 * 2**20  # released templates are about 10 KiB, tokenizer_config.json files under 1 MiB
 MAX_TEXT = 16 * 2**20  # characters of a string a template builds, and of the prompt it renders
 MAX_ITEMS = 2**20  # items of a list, tuple or dict a template builds
@@ -116,14 +116,28 @@ class FolderTemplate:
 
 
 def find_chat_template(folder: Path) -> FolderTemplate | None:
-    """The folder's chat template: chat_template.jinja, else tokenizer_config.json's "chat_template" (a string, or a
-    list of {name, template} whose "default" entry is the chat template); None when it has neither."""
+    """The folder's chat template, compiled (see template_source); None when it has none."""
+    found = template_source(folder)
+    return FolderTemplate(*found) if found is not None else None
+
+
+def template_source(folder: Path) -> tuple[str, Path, str] | None:
+    """The text of the folder's chat template, its file, and where in the folder it came from: chat_template.jinja,
+    else the "chat_template" of chat_template.json (the processor's file), else of tokenizer_config.json (a string,
+    or a list of {name, template} whose "default" entry is the chat template); None when it has none."""
     path = folder / TEMPLATE_FILE
     if path.is_file():
-        return FolderTemplate(_read_text(folder, path), path, TEMPLATE_FILE)
-    path = folder / TOKENIZER_CONFIG
-    if not path.is_file():
-        return None
+        return _read_text(folder, path), path, TEMPLATE_FILE
+    for name in JSON_FILES:
+        path = folder / name
+        if path.is_file():
+            source = _json_template(folder, path)
+            if source is not None:
+                return source, path, f"{name} (chat_template)"
+    return None
+
+
+def _json_template(folder: Path, path: Path) -> str | None:
     try:
         raw = json.loads(_read_text(folder, path))
     except (ValueError, RecursionError) as exc:
@@ -132,13 +146,11 @@ def find_chat_template(folder: Path) -> FolderTemplate | None:
     if isinstance(source, list):
         named = {entry.get("name"): entry.get("template") for entry in source if isinstance(entry, dict)}
         source = named.get("default")
-    if source is None:
-        return None
-    if not isinstance(source, str):
+    if source is not None and not isinstance(source, str):
         raise ChatTemplateError(f"{path}: 'chat_template' is a {type(source).__name__}; expected the template's text "
                                 f"(or a list of {{name, template}} with a 'default' entry). Re-download it, or "
                                 f"{_FALLBACK}.")
-    return FolderTemplate(source, path, f"{TOKENIZER_CONFIG} (chat_template)")
+    return source
 
 
 def _read_text(folder: Path, path: Path) -> str:

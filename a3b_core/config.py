@@ -142,3 +142,104 @@ def read_config(folder: str | Path) -> dict:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError) as exc:  # ValueError: bad UTF-8 or JSON, or an over-long integer
         raise ConfigError(f"{path}: cannot be parsed as JSON ({exc}). Re-download config.json.") from exc
+
+
+# ------------------------------------------------------------------------------ field groups every family has
+@dataclass(frozen=True)
+class Rope:
+    rotary_dim: int  # the leading channels of each head that are rotated
+    theta: float
+    section: tuple[int, int, int]  # M-RoPE: frequencies of the t, h, w axes
+    interleaved: bool  # as config.json says (a family may always interleave)
+
+
+def rope_config(text: dict, top: dict, where: str, head_dim: int, partial_default: float, theta_default: float,
+                section_default: list[int] | None = None) -> Rope:
+    """The rotary embedding: rope_parameters (or rope_scaling) of the text config, or of the top level."""
+    rope = text.get("rope_parameters") or text.get("rope_scaling") or top.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ConfigError(f"{where}: 'rope_parameters' must be an object, got {rope!r}.")
+
+    def given(key: str, default: Any) -> Any:
+        return rope.get(key, text.get(key, top.get(key, default)))
+
+    partial = positive_real(given("partial_rotary_factor", partial_default), "partial_rotary_factor", where,
+                            maximum=1.0)
+    theta = positive_real(given("rope_theta", theta_default), "rope_theta", where)
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
+        raise ConfigError(f"{where}: partial_rotary_factor {partial} gives a rotary dimension of {rotary_dim} for "
+                          f"head_dim {head_dim}; expected an even number between 2 and head_dim.")
+    section = rope.get("mrope_section") or section_default or [rotary_dim // 2, 0, 0]
+    if (not isinstance(section, (list, tuple)) or len(section) != 3
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in section)):
+        raise ConfigError(f"{where}: mrope_section is {section!r}; expected three non-negative integers (t, h, w). "
+                          "Use the config.json that came with the model.")
+    if sum(section) != rotary_dim // 2:
+        raise ConfigError(f"{where}: mrope_section {list(section)} sums to {sum(section)}; expected rotary_dim/2 = "
+                          f"{rotary_dim // 2}. Use the config.json that came with the model.")
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type not in ("default", "mrope"):
+        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only the default, unscaled rotary "
+                          "embedding); remove the rope scaling entry or use the release's config.json.")
+    return Rope(rotary_dim, theta, tuple(section), bool(rope.get("mrope_interleaved", False)))
+
+
+def eos_token_ids(text: dict, top: dict, vocab: int, where: str) -> tuple[int, ...]:
+    eos = text.get("eos_token_id", top.get("eos_token_id"))
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in eos_ids):
+        given = f"[{', '.join(map(shown, eos))}]" if isinstance(eos, list) else shown(eos)
+        raise ConfigError(f"{where}: eos_token_id is {given}; expected a token id or a list of token ids below "
+                          f"vocab_size {vocab}. Use the config.json that came with the model.")
+    return eos_ids
+
+
+def experts_per_token(text: dict, where: str) -> tuple[int, int]:
+    """(num_experts, num_experts_per_tok) of a mixture-of-experts text config; transformers writes the expert count
+    of some families as num_local_experts."""
+    experts = positive(text, "num_experts" if "num_experts" in text or "num_local_experts" not in text
+                       else "num_local_experts", where)
+    per_token = positive(text, "num_experts_per_tok", where)
+    if per_token > experts:
+        raise ConfigError(f"{where}: num_experts_per_tok is {per_token} but there are only {experts} experts. Use "
+                          "the config.json that came with the model.")
+    return experts, per_token
+
+
+def check_grouped(many: int, few: int, what: str, where: str) -> None:
+    if many % few:
+        raise ConfigError(f"{where}: {what} is {many} / {few}; the first must be a multiple of the second "
+                          "(grouped heads). Use the config.json that came with the model.")
+
+
+def token_id(raw: dict, text: dict, key: str, default: int, where: str) -> int:
+    """A special token id of the top level (or the text config)."""
+    value = raw.get(key, text.get(key, default))
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
+        raise ConfigError(f"{where}: the field '{key}' is {shown(value)}; expected an integer token id. Use the "
+                          "config.json that came with the model.")
+    return value
+
+
+def quantization(raw: dict, where: str) -> tuple[dict | None, tuple[int, int]]:
+    """config.json's quantization_config (None if absent) and its FP8 block size (default 128 x 128)."""
+    quant = raw.get("quantization_config")
+    quant = quant if isinstance(quant, dict) else None
+    block = (quant or {}).get("weight_block_size") or [128, 128]
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block)):
+        raise ConfigError(f"{where}: quantization_config.weight_block_size is {block!r}; expected two positive "
+                          "integers such as [128, 128]. Use the config.json of the FP8 release.")
+    return quant, tuple(block)
+
+
+def sections(raw: dict, where: str) -> tuple[dict, dict | None]:
+    """The text config (text_config, or the top level of a text-only config) and vision_config (None if absent)."""
+    text = raw.get("text_config", raw)
+    if not isinstance(text, dict):
+        raise ConfigError(f"{where}: 'text_config' must be an object.")
+    vision = raw.get("vision_config")
+    if vision is not None and not isinstance(vision, dict):
+        raise ConfigError(f"{where}: 'vision_config' must be an object.")
+    return text, vision

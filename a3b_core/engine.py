@@ -74,6 +74,7 @@ class A3BModel:
         self.folder = folder
         self.config = config
         self.family = family_for(config.model_type)
+        self.fixed_thinking = self.family.fixed_thinking(folder)  # a model that always (never) thinks: True (False)
         self.text = text
         self.vision = vision
         self.tokenizer = tokenizer
@@ -163,40 +164,59 @@ class A3BModel:
         if not isinstance(images, EncodedImages):
             raise PromptError(f"images is a {type(images).__name__}; pass the result of model.encode_images(...), "
                               "which turns pictures into what the model reads.")
+        if self.fixed_thinking is not None:  # the model's variant decides, whatever the prompt asks
+            thinking = self.fixed_thinking
         template = self.chat_template.build_prompt if self.chat_template is not None else self.family.build_prompt
         prompt = template(self.require_tokenizer(), user, system=system, image_token_counts=images.token_counts,
                           thinking=thinking, history=history, add_vision_id=add_vision_id)
         return ChatPrompt(prompt, images)
 
     # ------------------------------------------------------------------------------------------- forward
-    def embed(self, input_ids: torch.Tensor, images: EncodedImages | None) -> torch.Tensor:
-        """Token embeddings; with `images`, each image pad token is replaced, in order, by the next image row.
-        Without images, pad ids embed as ordinary tokens (a model may generate one)."""
-        return self.embed_rows(input_ids, self.image_rows(input_ids, images))
-
     def image_rows(self, input_ids: torch.Tensor, images: EncodedImages | None) -> torch.Tensor | None:
-        """The images' embedding rows, one per image pad of input_ids (checked), or None without images."""
+        """The images' rows, one per image pad of input_ids (checked), or None without images: [n, hidden], or
+        [n, 1 + levels, hidden] for a vision tower with DeepStack."""
         if images is None:
             return None
         n_pads, image_rows = int((input_ids == self.config.image_token_id).sum()), sum(images.token_counts)
         if n_pads != image_rows:
             raise PromptError(f"input_ids hold {n_pads} image pad tokens but the images supply {image_rows} "
                               "embedding rows; build prompts with model.build_prompt so pads and images agree.")
-        width = {e.shape[-1] for e in images.embeds}
-        if width - {self.config.text.hidden_size}:
-            raise PromptError(f"the encoded images have {sorted(width)} features per token but this model needs "
-                              f"{self.config.text.hidden_size}: they were encoded by another model. Encode them again "
-                              "with this model's encode_images.")
+        hidden, vision = self.config.text.hidden_size, self.config.vision
+        levels = len(vision.deepstack_indexes) if vision is not None else 0
+        expected = (1 + levels, hidden) if levels else (hidden,)
+        shapes = {tuple(e.shape[1:]) for e in images.embeds}
+        if shapes - {expected}:
+            deepstack = f", {levels} DeepStack levels" if levels else ""
+            raise PromptError(f"the encoded images have rows of shape {sorted(shapes)} but this model needs {expected} "
+                              f"({hidden} features per token{deepstack}): they were encoded by another model. Encode "
+                              "them again with this model's encode_images.")
         return torch.cat(images.embeds) if n_pads else None
 
     def embed_rows(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings [B, T, H] on the model's device, the image pads (row-major) replaced by `image_rows`."""
+        """Token embeddings [B, T, H] on the model's device, the image pads (row-major) replaced by `image_rows`
+        (their first level, with DeepStack)."""
         table = self.text.embed_tokens.weight
         embeds = self.text.embed_tokens(input_ids.to(table.device)).to(self.device)
         if image_rows is not None:
-            embeds[(input_ids == self.config.image_token_id).to(self.device)] = image_rows.to(self.device,
-                                                                                             embeds.dtype)
+            rows = image_rows[:, 0] if image_rows.dim() == 3 else image_rows
+            embeds[(input_ids == self.config.image_token_id).to(self.device)] = rows.to(self.device, embeds.dtype)
         return embeds
+
+    def deepstack(self, input_ids: torch.Tensor,
+                  image_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What the text model adds after its first layers at the image pads (DeepStack), or None: the pads' indices
+        among the B*T tokens [n] (found in RAM, where input_ids are, so the device never reports a count back) and
+        the rows' later levels [n, levels, H]."""
+        if image_rows is None or image_rows.dim() != 3:
+            return None
+        pads = (input_ids.cpu() == self.config.image_token_id).flatten().nonzero().squeeze(1)
+        return pads.to(self.device), image_rows[:, 1:].to(self.device)
+
+    def run_text(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None, position_ids: torch.Tensor, cache,
+                 attention_mask: torch.Tensor | None, last_only: bool) -> torch.Tensor:
+        """The text model on input_ids [B, T] with `image_rows` in place of their image pads."""
+        return self.text(self.embed_rows(input_ids, image_rows), position_ids, cache, attention_mask, last_only,
+                         self.deepstack(input_ids, image_rows))
 
     def positions(self, input_ids: torch.Tensor, images: EncodedImages | None,
                   attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
@@ -226,7 +246,7 @@ class A3BModel:
         if position_ids is None:
             position_ids, _ = self.positions(input_ids, images, attention_mask)
         mask = attention_mask.to(self.device) if attention_mask is not None else None
-        return self.text(self.embed(input_ids, images), position_ids, cache, mask, last_only)
+        return self.run_text(input_ids, self.image_rows(input_ids, images), position_ids, cache, mask, last_only)
 
     def prefill(self, input_ids: torch.Tensor, images: EncodedImages | None, cache,
                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
@@ -246,8 +266,8 @@ class A3BModel:
                 rows = torch.cat([r[u:u + n] for r, u, n in zip(per_row, used, counts)])
                 used = [u + n for u, n in zip(used, counts)]
             mask = attention_mask[:, start:end].to(self.device) if attention_mask is not None else None
-            logits = self.text(self.embed_rows(input_ids[:, start:end], rows), position_ids[..., start:end], cache,
-                               mask, last_only=True)
+            logits = self.run_text(input_ids[:, start:end], rows, position_ids[..., start:end], cache, mask,
+                                   last_only=True)
         return logits[:, -1]
 
     def prefill_chunk(self, rows: int) -> int:
@@ -294,11 +314,12 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
                weight_format: str = "auto", kv_cache: str = "auto", max_context: int | None = None,
                progress: Progress | None = None, device: str | torch.device = "auto",
                ram_budget: int | None = None, chat_template: str = "auto") -> A3BModel:
-    """Loads a Qwen3.5/3.6 model folder (or the embedded demo model) as the preset's placement plan says, on `device`
-    ("auto": the first CUDA GPU if there is one; "cpu"; "cuda" or "cuda:N"). The plan may use `ram_budget` bytes of
-    RAM (default: what the system reports available). `chat_template` "auto" builds prompts with the folder's own
-    chat template when it has one (chat_template.jinja or tokenizer_config.json's), else with the family's built-in
-    one; "built-in" always uses the built-in one (model.chat_template_in_use says which).
+    """Loads a model folder of a supported family (models/), or an embedded demo model, as the preset's placement plan
+    says, on `device` ("auto": the first CUDA GPU if there is one; "cpu"; "cuda" or "cuda:N"). The plan may use
+    `ram_budget` bytes of RAM (default: what the system reports available). `chat_template` "auto" builds prompts with
+    the folder's own chat template when it has one (chat_template.jinja, chat_template.json or tokenizer_config.json's),
+    else with the family's built-in one; "built-in" always uses the built-in one (model.chat_template_in_use says
+    which).
 
     preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
     started = time.perf_counter()

@@ -317,7 +317,7 @@ def _run(model: A3BModel, prompts: list, *, max_new_tokens, temperature, top_p, 
 
 def _batches(model: A3BModel, requests: list[_Request], opts: _Options) -> list[list[int]]:
     """The prompts split into consecutive batches whose generation cache fits in what the plan holds for one
-    sequence at its full context (per row, keys and values and the DeltaNet state), so a batch never outgrows it."""
+    sequence at its full context (per row, keys and values and any recurrent state), so a batch never outgrows it."""
     tokens = max(len(r.ids) for r in requests) + opts.max_new_tokens
     per_row = (model.family.kv_bytes(model.config, tokens, opts.kv_dtype, FORMAT_OF_DTYPE[model.dtype])
                + model.family.state_bytes(model.config))

@@ -16,9 +16,10 @@ Bytes per format (vectors such as norms and biases, and the DeltaNet conv kernel
   only where the checkpoint stores FP8;
 - int8: 1 B/weight + one bf16 scale per output row (counted as one per 128 weights, ~0.51x of bf16);
 - int4: 0.5 B/weight + a bf16 scale and zero point per 128 weights (~0.27x of bf16).
-KV cache: full-attention layers x 2 x KV heads x head_dim per token, in a float format or int8 with one fp32 scale
-per token and head; stored in another format than the compute one, plus one layer's keys and values in the compute
-format as scratch. DeltaNet state: conv history and recurrent state in fp32, per sequence.
+KV cache: attention layers (Qwen3.5: its full-attention layers; Qwen3-VL: all) x 2 x KV heads x head_dim per token, in
+a float format or int8 with one fp32 scale per token and head; stored in another format than the compute one, plus one
+layer's keys and values in the compute format as scratch. Qwen3.5's DeltaNet state: conv history and recurrent state in
+fp32, per sequence.
 """
 from __future__ import annotations
 
@@ -112,8 +113,9 @@ class Plan:
 
     @property
     def cache_bytes(self) -> int:
-        """What the plan holds for generation state: the KV cache and the DeltaNet state."""
-        return sum(p.bytes for p in self.parts if p.name in ("kv_cache", "deltanet_state"))
+        """What the plan holds for generation state: the KV cache and a family's recurrent state (a part named
+        "<kind>_state", such as Qwen3.5's deltanet_state)."""
+        return sum(p.bytes for p in self.parts if p.name == "kv_cache" or p.name.endswith("_state"))
 
     @property
     def headroom(self) -> int:
@@ -374,7 +376,8 @@ class _Planner:
 
     def _cache_parts(self, parts: list[PlanPart], device: str, gpu_budget: int, context: int,
                      notes: list[str]) -> tuple[list[PlanPart], int]:
-        """The KV cache and DeltaNet state parts and the context: on the GPU, the first choice that fits."""
+        """The KV cache part, the family's recurrent state part if it has one, and the context: on the GPU, the first
+        choice that fits."""
         state = self.family.state_bytes(self.config)
         choices = list(self._cache_choices(context, device == "cuda"))
         if device == "cuda":
@@ -391,11 +394,11 @@ class _Planner:
         if (tokens, kv) != choices[0]:
             notes.append(f"the cache for {context} tokens in {choices[0][1]} does not fit in VRAM: using "
                          f"{tokens} tokens in {kv}")
-        full = self.config.text.layer_types.count("full_attention")
-        notes.append(f"KV cache in {kv} for {tokens} tokens ({full} full-attention layers, one sequence); the "
-                     f"DeltaNet state is {format_bytes(state)} at any length")
-        return [PlanPart("kv_cache", device, kv, self.family.kv_bytes(self.config, tokens, kv, self.compute_format)),
-                PlanPart("deltanet_state", device, "fp32", state)], tokens
+        name = self.family.state_part
+        notes.append(f"KV cache in {kv} for {tokens} tokens (one sequence)"
+                     + (f"; the {name.replace('_', ' ')} is {format_bytes(state)} at any length" if name else ""))
+        parts = [PlanPart("kv_cache", device, kv, self.family.kv_bytes(self.config, tokens, kv, self.compute_format))]
+        return parts + ([PlanPart(name, device, "fp32", state)] if name else []), tokens
 
     def _cpu_expert_format(self, parts: list[PlanPart], cpu_layers: list[int], cpu_budget: int,
                            notes: list[str]) -> str:

@@ -26,7 +26,7 @@ class A3BModelLoader(io.ComfyNode):
             node_id="A3BModelLoader",
             display_name="A3B Model Loader",
             category=CATEGORY,
-            description="Loads a Qwen3.5/3.6 A3B (or dense Qwen3.5) model from models/LLM with the pack's own "
+            description="Loads a Qwen3.5/3.6 or Qwen3-VL model (A3B or dense) from models/LLM with the pack's own "
                         "engine, placed to fit the chosen VRAM preset, and shows the placement plan.",
             inputs=[
                 io.Combo.Input("model", options=loader_choices(bridge.llm_roots()), default=DEMO_MODEL,

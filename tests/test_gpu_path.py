@@ -23,6 +23,7 @@ from a3b_core.backends.experts import Fp8Linear, QuantizedExperts, quantize_fp8
 from a3b_core.options import FLOAT_FORMATS
 from a3b_core.placement import CUDA_CONTEXT_BYTES, plan_for_folder
 from tests.fake_cuda import FakeCuda
+from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -33,7 +34,7 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class Case:
-    folder: str  # a fixtures attribute, "demo", "demo_fp8" or "tied"
+    folder: str  # a fixtures attribute, "demo", "demo_fp8", "tied" or a Qwen3-VL fixture (see `folders`)
     preset: str
     weight_format: str = "auto"
     gpu_expert_layers: int | None = None  # with preset auto: free VRAM for exactly this many expert layers
@@ -54,11 +55,16 @@ CASES = [
     Case("moe_fp8", "auto", gpu_expert_layers=2),  # two FP8 layers on the GPU, two int8 ones in RAM
     Case("dense", "8gb"),
     Case("tied", "12gb"),  # lm_head is embed_tokens
+    Case("qwen3_vl_bf16", "8gb"),  # Qwen3-VL: transposed fused experts in RAM as int8, DeepStack images
+    Case("qwen3_vl_bf16", "auto", gpu_expert_layers=2),
+    Case("qwen3_vl_fp8", "12gb"),
+    Case("qwen3_vl_dense", "8gb"),
 ]
 
 
 @pytest.fixture(scope="module")
 def folders(fixtures, tmp_path_factory) -> dict[str, Path]:
+    vl = build_qwen3_vl_fixtures()
     tied = tmp_path_factory.mktemp("tied") / "dense_tied"
     shutil.copytree(fixtures.dense, tied)
     tensors = load_file(tied / "model.safetensors")
@@ -68,7 +74,8 @@ def folders(fixtures, tmp_path_factory) -> dict[str, Path]:
     config["tie_word_embeddings"] = config["text_config"]["tie_word_embeddings"] = True
     (tied / "config.json").write_text(json.dumps(config))
     return {"demo": DEMO_MODELS["a3b-demo"], "demo_fp8": DEMO_MODELS["a3b-demo-fp8"], "tied": tied,
-            **{name: getattr(fixtures, name) for name in ("moe_fused_bf16", "moe_fp8", "dense")}}
+            **{name: getattr(fixtures, name) for name in ("moe_fused_bf16", "moe_fp8", "dense")},
+            "qwen3_vl_bf16": vl.moe_bf16, "qwen3_vl_fp8": vl.moe_fp8, "qwen3_vl_dense": vl.dense}
 
 
 def free_vram_for(folder: Path, layers: int) -> int:
@@ -204,7 +211,7 @@ def test_int4_experts_are_refused_on_the_gpu(folders, monkeypatch):
     from a3b_core.checkpoint import Checkpoint
     from a3b_core.models import load_config
     from a3b_core.errors import PlacementError
-    from a3b_core.models.qwen3_5.weights import load_quantized_experts
+    from a3b_core.models.layout import load_quantized_experts
 
     folder = folders["moe_fused_bf16"]
     config = load_config(folder)

@@ -16,7 +16,7 @@ from a3b_core.checkpoint import DTYPES
 from a3b_core.models import parse_config
 from a3b_core.errors import PlacementError
 from a3b_core.models.qwen3_5.sizes import kv_bytes
-from a3b_core.models.qwen3_5.weights import classify, expert_layout
+from a3b_core.models.layout import classify, expert_layout
 from a3b_core.placement import (CPU_WORKSPACE_BYTES, GiB, PRESETS, Plan,
                                 make_plan, plan_for_folder, tensor_bytes)
 

@@ -24,14 +24,14 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _official_template() -> jinja2.Template:
+def official_template(path: Path) -> jinja2.Template:
     # The environment transformers' apply_chat_template compiles chat templates with.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.globals["raise_exception"] = _raise_exception
-    return env.from_string(TEMPLATE_PATH.read_text(encoding="utf-8"))
+    return env.from_string(path.read_text(encoding="utf-8"))
 
 
-OFFICIAL = _official_template()
+OFFICIAL = official_template(TEMPLATE_PATH)
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +39,9 @@ def tok() -> Tokenizer:
     return Tokenizer(build_tiny_tokenizer())
 
 
-def official_text(messages: list[dict], *, thinking: bool, add_vision_id: bool = False) -> str:
-    return OFFICIAL.render(messages=messages, add_generation_prompt=True, enable_thinking=thinking,
+def official_text(messages: list[dict], *, thinking: bool, add_vision_id: bool = False,
+                  template: jinja2.Template = OFFICIAL) -> str:
+    return template.render(messages=messages, add_generation_prompt=True, enable_thinking=thinking,
                            add_vision_id=add_vision_id)
 
 
@@ -53,8 +54,8 @@ def official_ids(tok: Tokenizer, text: str, counts: list[int]) -> list[int]:
 
 
 def assert_matches_official(tok: Tokenizer, prompt: Prompt, messages: list[dict], counts: list[int], *,
-                            thinking: bool, add_vision_id: bool = False) -> None:
-    text = official_text(messages, thinking=thinking, add_vision_id=add_vision_id)
+                            thinking: bool, add_vision_id: bool = False, template: jinja2.Template = OFFICIAL) -> None:
+    text = official_text(messages, thinking=thinking, add_vision_id=add_vision_id, template=template)
     assert prompt.text == text
     assert list(prompt.input_ids) == official_ids(tok, text, counts)
     assert prompt.image_token_counts == tuple(counts)
@@ -166,7 +167,7 @@ def test_add_vision_id_with_images_first(tok):
     assert prompt.text.startswith("<|im_start|>user\nPicture 1: <|vision_start|>")
 
 
-def _official_content(text: str, num_images: int) -> list[dict]:
+def official_content(text: str, num_images: int) -> list[dict]:
     """The content list an API client would send: images where the markers are, or first when there are none."""
     if IMAGE_MARKER not in text:
         return [IMAGE] * num_images + [{"type": "text", "text": text}]
@@ -191,10 +192,10 @@ def test_matches_official_on_generated_conversations(tok, user, turns, extra_ima
     counts = [index + 1 for index in range(sum(t.num_images for t in history) + user_images)]
     messages = []
     for turn in history:
-        messages.append({"role": "user", "content": _official_content(turn.user, turn.num_images)})
+        messages.append({"role": "user", "content": official_content(turn.user, turn.num_images)})
         messages.append({"role": "assistant", "content": turn.assistant,
                          **({"reasoning_content": turn.reasoning} if turn.reasoning else {})})
-    messages.append({"role": "user", "content": _official_content(user, user_images)})
+    messages.append({"role": "user", "content": official_content(user, user_images)})
     prompt = build_prompt(tok, user, image_token_counts=counts, history=history, thinking=thinking,
                           add_vision_id=add_vision_id)
     assert_matches_official(tok, prompt, messages, counts, thinking=thinking, add_vision_id=add_vision_id)

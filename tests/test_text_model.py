@@ -6,8 +6,8 @@ import torch
 
 from a3b_core import load_model
 from a3b_core.engine import resolve_compute_dtype
-from a3b_core.models.qwen3_5 import text as model_module
-from a3b_core.models.qwen3_5.text import FP16_LIMIT, rotary_cos_sin
+from a3b_core.models import layers
+from a3b_core.models.layers import FP16_LIMIT, rotary_cos_sin
 
 LAYOUTS = ["moe_hf", "moe_fused_bf16", "moe_fp8", "moe_text", "dense"]
 TOL = 1e-4
@@ -18,7 +18,7 @@ def models(fixtures):
     return {name: load_model(getattr(fixtures, name), preset="cpu", compute_dtype="float32") for name in LAYOUTS}
 
 
-def logits_and_router_choices(model, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def logits_and_router_choices(model, ids: torch.Tensor, images=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """The logits, and each MoE layer's top-k experts per token, read from its router's output by a forward hook
     (in fp32 the router is its own Linear, `mlp.gate`)."""
     chosen, hooks = [], []
@@ -28,7 +28,7 @@ def logits_and_router_choices(model, ids: torch.Tensor) -> tuple[torch.Tensor, l
             hooks.append(layer.mlp.gate.register_forward_hook(
                 lambda _module, _inputs, out, k=k: chosen.append(out.float().topk(k, dim=-1).indices)))
     try:
-        return model.logits(ids), chosen
+        return model.logits(ids, images=images), chosen
     finally:
         for hook in hooks:
             hook.remove()
@@ -80,7 +80,7 @@ def test_attention_in_query_blocks_equals_one_call(models, fixtures, monkeypatch
     mask = torch.ones_like(ids)
     mask[1, :30] = 0
     whole = model.logits(ids, attention_mask=mask)
-    monkeypatch.setattr(model_module, "ATTENTION_SCORES_BYTES", 1)
+    monkeypatch.setattr(layers, "ATTENTION_SCORES_BYTES", 1)
     torch.testing.assert_close(model.logits(ids, attention_mask=mask), whole, atol=TOL, rtol=0)
 
 

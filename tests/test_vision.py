@@ -7,10 +7,10 @@ import pytest
 import torch
 from PIL import Image
 
-from a3b_core.models.qwen3_5.config import VisionConfig
+from a3b_core.models.vision import VisionConfig
 from a3b_core.errors import ImageError, PromptError
-from a3b_core.models.qwen3_5.positions import mrope_position_ids
-from a3b_core.models.qwen3_5.vision import VisionTower
+from a3b_core.models.mrope import mrope_position_ids
+from a3b_core.models.vision import VisionTower
 
 pytest.importorskip("transformers")
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil  # noqa: E402

@@ -46,9 +46,9 @@ from torch import nn
 from ..image import to_patches
 from ..models import parse_config
 from ..models.qwen3_5.chat_template import build_prompt
-from ..models.qwen3_5.positions import mrope_position_ids
+from ..models.mrope import mrope_position_ids
 from ..models.qwen3_5.text import TextModel
-from ..models.qwen3_5.vision import VisionTower
+from ..models.vision import VisionTower
 from ..prompt import Turn
 from ..tokenizer import Tokenizer
 from . import dataset

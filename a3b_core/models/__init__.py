@@ -7,10 +7,10 @@ from pathlib import Path
 
 from ..config import ModelConfig, StoredLayers, read_config
 from ..errors import ConfigError
-from . import qwen3_5
+from . import qwen3_5, qwen3_vl
 from .family import Family
 
-FAMILIES = (qwen3_5.FAMILY,)
+FAMILIES = (qwen3_5.FAMILY, qwen3_vl.FAMILY)
 
 
 def family_for(model_type: object, where: str = "config.json") -> Family:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,10 +31,13 @@ class Family:
     vision_prefixes: tuple[str, ...]  # where the vision tower's tensors may be named
     vision_probe: str  # a tensor name every vision tower has
     build_prompt: Callable[..., Any]  # the chat template: text, images and turns -> token ids
+    # a model folder -> whether its model always thinks (True), never does (False), or as each prompt asks (None)
+    fixed_thinking: Callable[[Path], bool | None]
     positions: Callable[..., tuple[torch.Tensor, int]]  # one prompt's rotary positions and rope delta
     new_cache: Callable[..., Any]  # a generation cache for a batch
     classify: Callable[[str], tuple[str, int | None]]  # a tensor name -> (planner group, text layer)
     expert_layout: Callable[[ModelConfig, Tensors], str]  # how routed experts are stored, for `inspect`
     kv_bytes: Callable[[ModelConfig, int, str, str], int]  # (config, tokens, kv format, compute format)
     state_bytes: Callable[[ModelConfig], int]  # recurrent state of one sequence, at any length
+    state_part: str  # the planner's name for that state ("<kind>_state"), "" for a family without one
     prefill_chunk: Callable[[ModelConfig, int, int, str], int]  # (config, workspace, rows, compute format) -> tokens

@@ -2,31 +2,21 @@
 sizes that share the architecture, text-only or with their vision tower."""
 from __future__ import annotations
 
-import torch
-
-from ...config import ModelConfig
 from ..family import Family
+from ..layout import (VISION_PREFIXES, VISION_PROBE, classify, expert_layout, load_text_model, place_text_model,
+                      stored_layers)
+from ..mrope import positions
+from ..vision import VisionTower
 from .cache import Cache
-from .chat_template import build_prompt
+from .chat_template import build_prompt, thinking_as_asked
 from .config import MODEL_TYPES, describe, parse_config
-from .positions import mrope_position_ids
 from .sizes import deltanet_state_bytes, kv_bytes, prefill_chunk
 from .text import TextModel
-from .vision import VisionTower
-from .weights import (VISION_PREFIXES, VISION_PROBE, classify, expert_layout, load_text_model, place_text_model,
-                      stored_layers)
-
-
-def positions(config: ModelConfig, input_ids: torch.Tensor,
-              image_grids: list[tuple[int, int, int]]) -> tuple[torch.Tensor, int]:
-    """M-RoPE positions [3, T] of one prompt and its rope delta."""
-    merge = config.vision.spatial_merge_size if config.vision else 2
-    return mrope_position_ids(input_ids, image_grids, config.image_token_id, merge)
-
 
 FAMILY = Family(
     name="Qwen3.5/3.6", model_types=tuple(MODEL_TYPES), parse_config=parse_config, describe=describe,
     stored_layers=stored_layers, text_model=TextModel, vision_tower=VisionTower, load_text=load_text_model,
     place_text=place_text_model, vision_prefixes=VISION_PREFIXES, vision_probe=VISION_PROBE,
-    build_prompt=build_prompt, positions=positions, new_cache=Cache, classify=classify, expert_layout=expert_layout,
-    kv_bytes=kv_bytes, state_bytes=deltanet_state_bytes, prefill_chunk=prefill_chunk)
+    build_prompt=build_prompt, fixed_thinking=thinking_as_asked, positions=positions, new_cache=Cache,
+    classify=classify, expert_layout=expert_layout, kv_bytes=kv_bytes, state_bytes=deltanet_state_bytes,
+    state_part="deltanet_state", prefill_chunk=prefill_chunk)

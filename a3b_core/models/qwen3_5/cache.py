@@ -1,95 +1,31 @@
-"""Generation state: keys/values of the full-attention layers, conv history and recurrent state of DeltaNet layers.
-
-Buffers are preallocated for the whole context, so decoding never allocates.
-
-Keys and values are stored in the compute dtype ("auto"), in another float format ("bf16", "fp16", "fp32"), or as
-"int8" with one fp32 scale per (row, token, KV head): scale = absmax / 127 over the head's channels, so every stored
-element is within scale / 2 = absmax / 254 of its exact value (round to nearest). When the stored format is not the
-compute dtype, each layer's cached prefix is converted into one shared scratch pair in the compute dtype just before
-its attention, so the int8 cache costs (head_dim + 4) / (head_dim * compute bytes) of the float cache, plus one
-layer's float keys and values. Stated logit error: 32 cached decode steps with the int8 cache stay within 0.02 x the
-standard deviation of the fp32-cache logits (1.0% measured on the test models; real models have not been measured).
-"""
+"""Generation state of Qwen3.5: the keys and values of the full-attention layers (kv_cache.KVCache), and the conv
+history and recurrent state of the DeltaNet layers, in fp32."""
 from __future__ import annotations
 
 import torch
 
+from ..kv_cache import KVCache
 from .config import TextConfig
-from ...errors import PromptError
-from ...options import FLOAT_FORMATS, checked_kv_format
-
-INT8_MAX = 127
 
 
-class Cache:
+class Cache(KVCache):
     def __init__(self, cfg: TextConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", kv_dtype: str | None = None):
-        kv_format = checked_kv_format(kv_dtype)
-        self.quantised = kv_format == "int8"
-        store = torch.int8 if self.quantised else FLOAT_FORMATS.get(kv_format, dtype)
-        self.max_len = max_len
-        self.length = 0
-        self.padded = False  # whether any row has padding, so attention needs the mask
-        self.mask = torch.zeros(batch, max_len, dtype=torch.bool, device=device)
-        self.keys: dict[int, torch.Tensor] = {}
-        self.values: dict[int, torch.Tensor] = {}
-        self.key_scales: dict[int, torch.Tensor] = {}  # int8 only: [B, kv_heads, max_len, 1] fp32
-        self.value_scales: dict[int, torch.Tensor] = {}
+        full = [layer for layer, kind in enumerate(cfg.layer_types) if kind == "full_attention"]
+        super().__init__(full, cfg.num_kv_heads, cfg.head_dim, batch, max_len, dtype, device, kv_dtype)
         self.conv: dict[int, torch.Tensor] = {}
         self.state: dict[int, torch.Tensor] = {}
         conv_dim = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + \
             cfg.linear_num_value_heads * cfg.linear_value_head_dim
-        shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)  # heads first: each head's keys are contiguous
         for layer, kind in enumerate(cfg.layer_types):
-            if kind == "full_attention":
-                self.keys[layer] = torch.zeros(shape, dtype=store, device=device)
-                self.values[layer] = torch.zeros(shape, dtype=store, device=device)
-                if self.quantised:
-                    self.key_scales[layer] = torch.zeros(shape[:-1] + (1,), device=device)
-                    self.value_scales[layer] = torch.zeros(shape[:-1] + (1,), device=device)
-            else:
+            if kind == "linear_attention":
                 self.conv[layer] = torch.zeros(batch, cfg.linear_conv_kernel_dim - 1, conv_dim, device=device)
                 self.state[layer] = torch.zeros(batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                                 cfg.linear_value_head_dim, device=device)
-        # stored in another format: one layer's keys and values in the compute dtype, reused by every layer in turn
-        self.scratch = tuple(torch.zeros(shape, dtype=dtype, device=device) for _ in range(2)) \
-            if store != dtype and self.keys else ()
 
-    def _check_room(self, t: int) -> None:
-        if self.length + t > self.max_len:
-            raise PromptError(f"the context is full: {self.length} tokens are cached and {t} more do not fit in "
-                              f"max_context={self.max_len}. Shorten the prompt, lower max_new_tokens, or raise "
-                              "max_context.")
-
-    def extend_mask(self, attention_mask: torch.Tensor | None, t: int) -> torch.Tensor | None:
-        """Records which of the next t tokens are real; returns the key mask over everything cached so far, or None
-        while no row has padding."""
-        self._check_room(t)
-        new = self.mask[:, self.length:self.length + t]
-        if attention_mask is None:
-            new.fill_(True)
-        else:
-            new.copy_(attention_mask.bool())
-            self.padded = True
-        return self.mask[:, :self.length + t] if self.padded else None
-
-    def append_kv(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Stores the new keys/values [B, kv_heads, t, head_dim]; returns all cached ones, in the compute dtype."""
-        start, end = self.length, self.length + k.shape[2]
-        if not self.scratch:
-            self.keys[layer][:, :, start:end] = k
-            self.values[layer][:, :, start:end] = v
-            return self.keys[layer][:, :, :end], self.values[layer][:, :, :end]
-        out = []
-        for new, store, scales, scratch in ((k, self.keys, self.key_scales, self.scratch[0]),
-                                            (v, self.values, self.value_scales, self.scratch[1])):
-            if self.quantised:
-                quantise_int8(new, store[layer][:, :, start:end], scales[layer][:, :, start:end])
-                out.append(torch.mul(store[layer][:, :, :end], scales[layer][:, :, :end], out=scratch[:, :, :end]))
-            else:
-                store[layer][:, :, start:end] = new
-                out.append(scratch[:, :, :end].copy_(store[layer][:, :, :end]))
-        return out[0], out[1]
+    @property
+    def row_buffers(self) -> tuple[dict[int, torch.Tensor], ...]:
+        return (*super().row_buffers, self.conv, self.state)
 
     def conv_state(self, layer: int) -> torch.Tensor:
         return self.conv[layer]
@@ -99,43 +35,3 @@ class Cache:
 
     def set_recurrent_state(self, layer: int, state: torch.Tensor) -> None:
         self.state[layer].copy_(state)
-
-    def advance(self, t: int) -> None:
-        self.length += t
-
-    def keep_rows(self, rows: torch.Tensor) -> None:
-        """Drops the other batch rows (finished sequences): keeps `rows`, indices into the current batch, in order.
-        The kept rows move to the front of each buffer in place, so the cache never exists twice."""
-        self.mask = keep_front(self.mask, rows)
-        for buffers in (self.keys, self.values, self.key_scales, self.value_scales, self.conv, self.state):
-            for layer, buffer in buffers.items():
-                buffers[layer] = keep_front(buffer, rows)
-        self.scratch = tuple(buffer[:len(rows)] for buffer in self.scratch)
-
-    @property
-    def kv_bytes(self) -> int:
-        """Bytes of the stored keys and values (and their int8 scales), without the scratch pair."""
-        return sum(t.numel() * t.element_size() for buffers in (self.keys, self.values, self.key_scales,
-                                                                 self.value_scales) for t in buffers.values())
-
-    @property
-    def nbytes(self) -> int:
-        """Every buffer this cache holds: keys/values, scales, scratch, padding mask, DeltaNet conv and state."""
-        return self.kv_bytes + sum(t.numel() * t.element_size() for t in (self.mask, *self.scratch,
-                                                                          *self.conv.values(), *self.state.values()))
-
-
-def keep_front(buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """buffer[rows] written over the buffer's first rows (only one copy of those rows is made), as a view."""
-    kept = buffer[:len(rows)]
-    kept.copy_(buffer.index_select(0, rows))
-    return kept
-
-
-def quantise_int8(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
-    """Symmetric int8 with one scale per vector of the last dimension, written into `out` and `scale_out`."""
-    xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True) / INT8_MAX
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero vector stays exactly zero
-    out.copy_((xf / scale).round_().clamp_(-INT8_MAX, INT8_MAX))
-    scale_out.copy_(scale)

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...config import (MAX_INT, ModelConfig, StoredLayers, field, layer_count, positive, positive_real, shown)
+from ...config import (ModelConfig, StoredLayers, check_grouped, eos_token_ids, experts_per_token, field, layer_count,
+                       positive, positive_real, quantization, rope_config, sections, token_id)
 from ...errors import ConfigError
+from ..vision import parse_vision_config
 
 MODEL_TYPES = {
     "qwen3_5_moe": True, "qwen3_5_moe_text": True,  # value: is MoE
@@ -45,28 +47,9 @@ class TextConfig:
         return self.num_experts > 0
 
 
-@dataclass(frozen=True)
-class VisionConfig:
-    depth: int
-    hidden_size: int
-    num_heads: int
-    intermediate_size: int
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    spatial_merge_size: int = 2
-    in_channels: int = 3
-    num_position_embeddings: int = 2304
-    out_hidden_size: int = 2048
-    hidden_act: str = "gelu_pytorch_tanh"
-    rope_theta: float = 10000.0
-
-
 def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = None,
                       stored_layers: int | None = None) -> TextConfig:
     top = top or {}
-    rope = text.get("rope_parameters") or text.get("rope_scaling") or top.get("rope_parameters") or {}
-    if not isinstance(rope, dict):
-        raise ConfigError(f"{where}: 'rope_parameters' must be an object, got {rope!r}.")
     num_layers = layer_count(text, "num_hidden_layers", where, stored_layers, "decoder layers")
     vocab = positive(text, "vocab_size", where)
     hidden = positive(text, "hidden_size", where)
@@ -81,47 +64,13 @@ def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = N
             or not all(t in ("full_attention", "linear_attention") for t in layer_types)):
         raise ConfigError(f"{where}: 'layer_types' must list {num_layers} entries, each 'full_attention' or "
                           f"'linear_attention'; got {layer_types!r}. Use the config.json that came with the model.")
-
-    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", top.get("partial_rotary_factor", 0.25)))
-    theta = rope.get("rope_theta", text.get("rope_theta", top.get("rope_theta", 10_000_000.0)))
-    partial = positive_real(partial, "partial_rotary_factor", where, maximum=1.0)
-    theta = positive_real(theta, "rope_theta", where)
-    rotary_dim = int(head_dim * partial)
-    if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
-        raise ConfigError(f"{where}: partial_rotary_factor {partial} gives a rotary dimension of {rotary_dim} for "
-                          f"head_dim {head_dim}; expected an even number between 2 and head_dim.")
-    section = rope.get("mrope_section") or [rotary_dim // 2, 0, 0]
-    if (not isinstance(section, (list, tuple)) or len(section) != 3
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in section)):
-        raise ConfigError(f"{where}: mrope_section is {section!r}; expected three non-negative integers (t, h, w). "
-                          "Use the config.json that came with the model.")
-    section = tuple(section)
-    if sum(section) != rotary_dim // 2:
-        raise ConfigError(f"{where}: mrope_section {list(section)} sums to {sum(section)}; expected rotary_dim/2 = "
-                          f"{rotary_dim // 2}.")
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type not in ("default", "mrope"):
-        raise ConfigError(f"{where}: rope_type '{rope_type}' is not supported (only the default, unscaled rotary "
-                          "embedding); remove the rope scaling entry or use the release's config.json.")
-
-    eos = text.get("eos_token_id", top.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in eos_ids):
-        given = f"[{', '.join(map(shown, eos))}]" if isinstance(eos, list) else shown(eos)
-        raise ConfigError(f"{where}: eos_token_id is {given}; expected a token id or a list of token ids below "
-                          f"vocab_size {vocab}. Use the config.json that came with the model.")
-    experts = positive(text, "num_experts", where) if is_moe else 0
-    per_token = positive(text, "num_experts_per_tok", where) if is_moe else 0
-    if per_token > experts:
-        raise ConfigError(f"{where}: num_experts_per_tok is {per_token} but there are only {experts} experts. Use "
-                          "the config.json that came with the model.")
+    rope = rope_config(text, top, where, head_dim, partial_default=0.25, theta_default=10_000_000.0)
+    eos_ids = eos_token_ids(text, top, vocab, where)
+    experts, per_token = experts_per_token(text, where) if is_moe else (0, 0)
     num_kv = positive(text, "num_key_value_heads", where, default=num_heads)
     key_heads, value_heads = (positive(text, k, where) for k in ("linear_num_key_heads", "linear_num_value_heads"))
-    for many, few, what in ((num_heads, num_kv, "num_attention_heads / num_key_value_heads"),
-                            (value_heads, key_heads, "linear_num_value_heads / linear_num_key_heads")):
-        if many % few:
-            raise ConfigError(f"{where}: {what} is {many} / {few}; the first must be a multiple of the second "
-                              "(grouped heads). Use the config.json that came with the model.")
+    check_grouped(num_heads, num_kv, "num_attention_heads / num_key_value_heads", where)
+    check_grouped(value_heads, key_heads, "linear_num_value_heads / linear_num_key_heads", where)
     return TextConfig(
         vocab_size=vocab,
         hidden_size=hidden,
@@ -130,10 +79,10 @@ def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = N
         num_heads=num_heads,
         num_kv_heads=num_kv,
         head_dim=head_dim,
-        rotary_dim=rotary_dim,
-        rope_theta=theta,
-        mrope_section=section,
-        mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
+        rotary_dim=rope.rotary_dim,
+        rope_theta=rope.theta,
+        mrope_section=rope.section,
+        mrope_interleaved=rope.interleaved,
         linear_num_key_heads=key_heads,
         linear_num_value_heads=value_heads,
         linear_key_head_dim=positive(text, "linear_key_head_dim", where),
@@ -152,69 +101,35 @@ def parse_text_config(text: dict, where: str, is_moe: bool, top: dict | None = N
     )
 
 
-def parse_vision_config(vision: dict, where: str, stored_blocks: int | None = None) -> VisionConfig:
+def parse_qwen3_5_vision(vision: dict, where: str, stored_blocks: int | None):
     if vision.get("deepstack_visual_indexes"):
-        raise ConfigError(f"{where}: vision_config.deepstack_visual_indexes is set; deepstack vision towers "
-                          "(Qwen3-VL) are not supported, only Qwen3.5/3.6 models.")
-    hidden, heads = positive(vision, "hidden_size", where), positive(vision, "num_heads", where)
-    if hidden % heads or (hidden // heads) % 4:
-        raise ConfigError(f"{where}: vision_config hidden_size {hidden} / num_heads {heads} must give a whole head "
-                          "size divisible by 4 (2-D rotary over half-size pairs). Use the config.json that came with "
-                          "the model.")
-    return VisionConfig(
-        depth=layer_count(vision, "depth", where, stored_blocks, "vision blocks"),
-        hidden_size=hidden,
-        num_heads=heads,
-        intermediate_size=positive(vision, "intermediate_size", where),
-        patch_size=positive(vision, "patch_size", where, default=16),
-        temporal_patch_size=positive(vision, "temporal_patch_size", where, default=2),
-        spatial_merge_size=positive(vision, "spatial_merge_size", where, default=2),
-        in_channels=positive(vision, "in_channels", where, default=3),
-        num_position_embeddings=positive(vision, "num_position_embeddings", where, default=2304),
-        out_hidden_size=positive(vision, "out_hidden_size", where),
-        hidden_act=field(vision, "hidden_act", where, default="gelu_pytorch_tanh", types=str),
-    )
+        raise ConfigError(f"{where}: vision_config.deepstack_visual_indexes is set, but Qwen3.5/3.6 vision towers "
+                          "have no DeepStack; a Qwen3-VL config.json has model_type qwen3_vl_moe or qwen3_vl.")
+    return parse_vision_config(vision, where, stored_blocks)
 
 
 def parse_config(raw: dict, where: str = "config.json", stored: StoredLayers | None = None) -> ModelConfig:
     """config.json's object (its model_type one of MODEL_TYPES) -> ModelConfig; with `stored`, the layer counts
     must match what the weights hold."""
     model_type = raw["model_type"]
-    text = raw.get("text_config", raw)
-    if not isinstance(text, dict):
-        raise ConfigError(f"{where}: 'text_config' must be an object.")
-    vision = raw.get("vision_config")
-    if vision is not None and not isinstance(vision, dict):
-        raise ConfigError(f"{where}: 'vision_config' must be an object.")
+    text, vision = sections(raw, where)
+    quant, block = quantization(raw, where)
 
     def token(key: str, default: int) -> int:
-        value = raw.get(key, text.get(key, default))
-        if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_INT:
-            raise ConfigError(f"{where}: the field '{key}' is {shown(value)}; expected an integer token id. Use the "
-                              "config.json that came with the model.")
-        return value
+        return token_id(raw, text, key, default, where)
 
-    quant = raw.get("quantization_config")
-    quant = quant if isinstance(quant, dict) else None
-    block = (quant or {}).get("weight_block_size") or [128, 128]
-    if (not isinstance(block, list) or len(block) != 2
-            or not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in block)):
-        raise ConfigError(f"{where}: quantization_config.weight_block_size is {block!r}; expected two positive "
-                          "integers such as [128, 128]. Use the config.json of the FP8 release.")
     return ModelConfig(
         model_type=model_type,
         text=parse_text_config(text, where, MODEL_TYPES[model_type], raw, stored.text if stored else None),
-        vision=parse_vision_config(vision, where, stored.vision if stored else None) if vision else None,
+        vision=parse_qwen3_5_vision(vision, where, stored.vision if stored else None) if vision else None,
         image_token_id=token("image_token_id", 248056),
         video_token_id=token("video_token_id", 248057),
         vision_start_token_id=token("vision_start_token_id", 248053),
         vision_end_token_id=token("vision_end_token_id", 248054),
         quantization=quant,
-        fp8_block=tuple(block),
+        fp8_block=block,
         caption_prompt=field(raw, "a3b_caption_prompt", where, default=None, types=str),
     )
-
-
 
 
 def describe(config: ModelConfig) -> list[str]:

@@ -3,33 +3,20 @@ the DeltaNet state, and the activations of a prompt token while prefilling."""
 from __future__ import annotations
 
 from ...config import ModelConfig
-from ...options import FLOAT_FORMATS
-from .text import ATTENTION_SCORES_BYTES, GDN_CHUNK
+from .. import kv_cache
+from ..layers import ATTENTION_SCORES_BYTES
+from .text import GDN_CHUNK
 
 # fp32 copies of a layer's widest activation alive at once while prefilling (measured on the real 35B's shapes:
 # 5.2, tests/test_vram.py)
 ACTIVATION_COPIES = 6
 
 
-def float_bytes(fmt: str) -> int:
-    return FLOAT_FORMATS[fmt].itemsize
-
-
 def kv_bytes(config: ModelConfig, tokens: int, kv_dtype: str, compute_format: str = "bf16") -> int:
-    """Keys and values of the full-attention layers for `tokens` tokens of one sequence, plus the padding mask; a
-    cache stored in another format than the compute one adds one layer's keys and values in the compute format."""
+    """Keys and values of the full-attention layers for `tokens` tokens of one sequence (kv_cache.kv_bytes)."""
     t = config.text
-    full = t.layer_types.count("full_attention")
-    vectors = tokens * full * 2 * t.num_kv_heads
-    scratch = 2 * tokens * t.num_kv_heads * t.head_dim * float_bytes(compute_format) \
-        if full and kv_dtype != compute_format else 0
-    stored = vectors * (t.head_dim + 4) if kv_dtype == "int8" else vectors * t.head_dim * float_bytes(kv_dtype)
-    return stored + scratch + tokens
-
-
-def cache_row_bytes(config: ModelConfig, tokens: int, kv_dtype: str, compute_format: str) -> int:
-    """What one more sequence of `tokens` tokens adds to a generation cache: keys and values, DeltaNet state."""
-    return kv_bytes(config, tokens, kv_dtype, compute_format) + deltanet_state_bytes(config)
+    return kv_cache.kv_bytes(t.layer_types.count("full_attention"), t.num_kv_heads, t.head_dim, tokens, kv_dtype,
+                             compute_format)
 
 
 def activation_bytes_per_token(config: ModelConfig, compute_format: str) -> int:
@@ -53,7 +40,7 @@ def deltanet_state_bytes(config: ModelConfig) -> int:
 
 def prefill_chunk(config: ModelConfig, workspace_bytes: int, rows: int, compute_format: str) -> int:
     """Prompt tokens per forward pass for a batch of `rows`: what `workspace_bytes` of activations hold besides the
-    attention scores (text.ATTENTION_SCORES_BYTES), in whole DeltaNet chunks."""
+    attention scores (layers.ATTENTION_SCORES_BYTES), in whole DeltaNet chunks."""
     per_token = rows * activation_bytes_per_token(config, compute_format)
     tokens = (workspace_bytes - ATTENTION_SCORES_BYTES) // per_token
     return max(GDN_CHUNK, tokens // GDN_CHUNK * GDN_CHUNK)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...errors import PromptError
+from ..config import ModelConfig
+from ..errors import PromptError
 
 
 def mrope_position_ids(input_ids: Tensor, image_grids: list[tuple[int, int, int]], image_token_id: int,
@@ -52,3 +53,9 @@ def mrope_position_ids(input_ids: Tensor, image_grids: list[tuple[int, int, int]
     position_ids = torch.cat(pieces, dim=1)
     rope_delta = int(position_ids.max()) + 1 - len(input_ids) if len(input_ids) else 0
     return position_ids, rope_delta
+
+
+def positions(config: ModelConfig, input_ids: Tensor, image_grids: list[tuple[int, int, int]]) -> tuple[Tensor, int]:
+    """M-RoPE positions [3, T] of one prompt of a model and its rope delta (the Family's `positions`)."""
+    merge = config.vision.spatial_merge_size if config.vision else 2
+    return mrope_position_ids(input_ids, image_grids, config.image_token_id, merge)

@@ -1,4 +1,6 @@
-"""The Qwen3.5 vision tower: patch embed + learned 2-D position table + axial-RoPE ViT blocks + 2x2 patch merger.
+"""The vision tower of Qwen3.5 and Qwen3-VL: patch embed + learned 2-D position table + axial-RoPE ViT blocks + 2x2
+patch merger; Qwen3-VL adds DeepStack, mergers of the outputs of a few middle blocks whose features the text model adds
+to the image positions of its first layers.
 
 Parameter names equal the checkpoint's with the "model.visual." prefix removed, so a state dict loads without
 renaming. Every layer computes in the dtype of the tensor it is given (parameters are cast on use),
@@ -11,15 +13,66 @@ rows. Everything indexed by a patch's (row, col) here (position table, rotary an
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .config import VisionConfig
-from ...errors import ConfigError, ImageError
+from ..config import field, layer_count, positive
+from ..errors import ConfigError, ImageError
 
 LAYER_NORM_EPS = 1e-6
+
+
+@dataclass(frozen=True)
+class VisionConfig:
+    depth: int
+    hidden_size: int
+    num_heads: int
+    intermediate_size: int
+    patch_size: int = 16
+    temporal_patch_size: int = 2
+    spatial_merge_size: int = 2
+    in_channels: int = 3
+    num_position_embeddings: int = 2304
+    out_hidden_size: int = 2048
+    hidden_act: str = "gelu_pytorch_tanh"
+    rope_theta: float = 10000.0
+    deepstack_indexes: tuple[int, ...] = ()  # blocks whose outputs feed DeepStack, in the order of its levels
+
+
+def parse_vision_config(vision: dict, where: str, stored_blocks: int | None = None) -> VisionConfig:
+    depth = layer_count(vision, "depth", where, stored_blocks, "vision blocks")
+    deepstack = field(vision, "deepstack_visual_indexes", where, default=[], types=(list,))
+    if (not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < depth for i in deepstack)
+            or len(set(deepstack)) != len(deepstack)):
+        raise ConfigError(f"{where}: vision_config.deepstack_visual_indexes is {deepstack!r}; expected distinct block "
+                          f"indices from 0 to {depth - 1} (depth {depth}). Use the config.json that came with the "
+                          "model.")
+    hidden, heads = positive(vision, "hidden_size", where), positive(vision, "num_heads", where)
+    if hidden % heads or hidden // heads % 4:
+        raise ConfigError(f"{where}: vision_config hidden_size {hidden} / num_heads {heads} must give a whole head size "
+                          "divisible by 4 (2-D rotary over half-size pairs). Use the config.json that came with the "
+                          "model.")
+    positions = positive(vision, "num_position_embeddings", where, default=2304)
+    if math.isqrt(positions) ** 2 != positions:
+        raise ConfigError(f"{where}: vision_config.num_position_embeddings is {positions}; expected a square number "
+                          "(the learned table is a square grid). Use the config.json that came with the model.")
+    return VisionConfig(
+        depth=depth,
+        hidden_size=hidden,
+        num_heads=heads,
+        intermediate_size=positive(vision, "intermediate_size", where),
+        patch_size=positive(vision, "patch_size", where, default=16),
+        temporal_patch_size=positive(vision, "temporal_patch_size", where, default=2),
+        spatial_merge_size=positive(vision, "spatial_merge_size", where, default=2),
+        in_channels=positive(vision, "in_channels", where, default=3),
+        num_position_embeddings=positions,
+        out_hidden_size=positive(vision, "out_hidden_size", where),
+        hidden_act=field(vision, "hidden_act", where, default="gelu_pytorch_tanh", types=str),
+        deepstack_indexes=tuple(deepstack),
+    )
 
 ACTIVATIONS = {
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -112,17 +165,20 @@ class Block(nn.Module):
 
 
 class Merger(nn.Module):
-    """Per-patch LayerNorm, then each merge x merge block (consecutive rows) -> one LM-sized token."""
+    """LayerNorm, and each merge x merge block (consecutive rows) -> one LM-sized token. The final merger normalises
+    each patch before merging; DeepStack's mergers (`after_merge`) normalise the merged rows."""
 
-    def __init__(self, cfg: VisionConfig):
+    def __init__(self, cfg: VisionConfig, after_merge: bool = False):
         super().__init__()
         merged = cfg.hidden_size * cfg.spatial_merge_size ** 2
-        self.norm = LayerNorm(cfg.hidden_size, eps=LAYER_NORM_EPS)
+        self.after_merge = after_merge
+        self.norm = LayerNorm(merged if after_merge else cfg.hidden_size, eps=LAYER_NORM_EPS)
         self.linear_fc1 = Linear(merged, merged, bias=True)
         self.linear_fc2 = Linear(merged, cfg.out_hidden_size, bias=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        x = self.norm(x).reshape(-1, self.linear_fc1.in_features)
+        merged = self.linear_fc1.in_features
+        x = self.norm(x.reshape(-1, merged)) if self.after_merge else self.norm(x).reshape(-1, merged)
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # exact-erf GELU here, unlike the blocks
 
 
@@ -149,14 +205,12 @@ class VisionTower(nn.Module):
     def __init__(self, cfg: VisionConfig):
         super().__init__()
         self.cfg = cfg
-        self.pos_side = math.isqrt(cfg.num_position_embeddings)
-        if self.pos_side ** 2 != cfg.num_position_embeddings:
-            raise ConfigError(f"config.json: vision_config.num_position_embeddings is {cfg.num_position_embeddings}; "
-                              "expected a square number (the learned table is a square grid).")
+        self.pos_side = math.isqrt(cfg.num_position_embeddings)  # a square table (parse_vision_config checks)
         self.patch_embed = PatchEmbed(cfg)
         self.pos_embed = nn.Embedding(cfg.num_position_embeddings, cfg.hidden_size)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.depth))
         self.merger = Merger(cfg)
+        self.deepstack_merger_list = nn.ModuleList(Merger(cfg, after_merge=True) for _ in cfg.deepstack_indexes)
 
     @property
     def patch_dim(self) -> int:
@@ -164,7 +218,8 @@ class VisionTower(nn.Module):
 
     def forward(self, pixel_values: Tensor, grids: list[tuple[int, int, int]]) -> Tensor:
         """pixel_values [N, C*T*p*p] (block-major patches of all images, in order); grids (t, gh, gw) per image.
-        Returns [N / merge^2, out_hidden_size] LM-ready embeddings in pixel_values' dtype."""
+        Returns [N / merge^2, out_hidden_size] LM-ready embeddings in pixel_values' dtype; with DeepStack,
+        [N / merge^2, 1 + levels, out_hidden_size]: the embeddings, then each DeepStack level's features."""
         self._check_inputs(pixel_values, grids)
         grids = [tuple(grid) for grid in grids]
         tables = {grid: self.grid_tables(*grid) for grid in set(grids)}  # one per distinct grid
@@ -172,9 +227,15 @@ class VisionTower(nn.Module):
         frame_lengths = [gh * gw for t, gh, gw in grids for _ in range(t)]
 
         x = self.patch_embed(pixel_values) + pos.to(pixel_values.dtype)
-        for block in self.blocks:
+        levels = {}
+        for index, block in enumerate(self.blocks):
             x = block(x, cos, sin, frame_lengths)
-        return self.merger(x)
+            if index in self.cfg.deepstack_indexes:
+                levels[index] = x
+        if not levels:
+            return self.merger(x)
+        features = [merger(levels[i]) for merger, i in zip(self.deepstack_merger_list, self.cfg.deepstack_indexes)]
+        return torch.stack([self.merger(x), *features], dim=1)
 
     def grid_tables(self, t: int, gh: int, gw: int) -> tuple[Tensor, Tensor, Tensor]:
         """For one image grid, in patch order and repeated over t frames: the resampled position embedding

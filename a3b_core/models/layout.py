@@ -1,22 +1,25 @@
-"""Qwen3.5/3.6 checkpoints -> the family's modules: tensor names and prefixes, routed-expert layouts (fused, fused
-and transposed, per-expert, FP8), and which part of the model each tensor belongs to (for the planner)."""
+"""Checkpoints of the Qwen families -> their modules: tensor names and prefixes (the same in every family's
+releases), routed-expert layouts (fused [E, 2I, H] as Qwen3.5's BF16 release, fused and transposed [E, H, 2I] as
+Qwen3-VL's, per-expert, FP8 per expert with block scales), and which part of the model each tensor belongs to (for
+the planner)."""
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from ... import devices
-from ...backends.experts import FP8_BLOCK, Fp8Linear, QuantizedExperts, convert_experts
-from ...checkpoint import FP8_DTYPES, Checkpoint
-from ...config import ModelConfig, StoredLayers
-from ...errors import CheckpointError
-from ...options import FLOAT_FORMATS, FORMAT_OF_DTYPE
-from ...weights import Progress, check_shape, checked, find_prefix, load_module, prefix_of
-from .config import TextConfig
+from .. import devices
+from ..backends.experts import FP8_BLOCK, Fp8Linear, QuantizedExperts, convert_experts
+from ..checkpoint import FP8_DTYPES, Checkpoint, TensorInfo
+from ..config import ModelConfig, StoredLayers
+from ..errors import CheckpointError
+from ..options import FLOAT_FORMATS, FORMAT_OF_DTYPE
+from ..weights import Progress, check_shape, checked, find_prefix, load_module, prefix_of
+from .layers import RoutedExperts
 
 TEXT_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.", "")
 VISION_PREFIXES = ("model.visual.", "visual.")
@@ -42,12 +45,13 @@ def _block_count(ckpt: Checkpoint, probe: str, prefixes: tuple[str, ...], blocks
 ExpertPlacement = Callable[[int], tuple[str, torch.device]]  # layer -> (expert format, device)
 
 
-def load_text_model(module: nn.Module, cfg: TextConfig, ckpt: Checkpoint, compute_dtype: torch.dtype,
+def load_text_model(module: nn.Module, cfg: Any, ckpt: Checkpoint, compute_dtype: torch.dtype,
                     progress: Progress | None = None, expert_placement: ExpertPlacement | None = None,
                     cache_dirs: Mapping[str, Path] | None = None, keep_fp8: bool = False) -> str:
-    """Fills a meta-device TextModel. Routed experts follow `expert_placement` (default: the compute dtype, on the
-    CPU): float formats are loaded on the CPU (placing the model moves them), quantised ones are built on their
-    device; int8/int4 are converted one expert at a time and cached under `cache_dirs[format]` for the next load.
+    """Fills a meta-device text model (layers.DecoderModel; `cfg` has the fields layers.py reads). Routed experts
+    follow `expert_placement` (default: the compute dtype, on the CPU): float formats are loaded on the CPU (placing
+    the model moves them), quantised ones are built on their device; int8/int4 are converted one expert at a time
+    and cached under `cache_dirs[format]` for the next load.
     With `keep_fp8`, dense matrices stored as FP8 stay FP8 (Fp8Linear). A tied lm_head is the embedding's own
     Parameter. Returns the checkpoint's name prefix."""
     prefix = find_prefix(ckpt, "embed_tokens.weight", TEXT_PREFIXES, "language model")
@@ -56,7 +60,7 @@ def load_text_model(module: nn.Module, cfg: TextConfig, ckpt: Checkpoint, comput
     placement = expert_placement or (lambda layer: (FORMAT_OF_DTYPE[compute_dtype], torch.device("cpu")))
     float_experts: dict[int, torch.dtype] = {}
     for layer, block in enumerate(module.layers):
-        if not cfg.is_moe:
+        if not isinstance(block.mlp, RoutedExperts):
             continue
         fmt, device = placement(layer)
         if fmt in FLOAT_FORMATS:
@@ -98,30 +102,45 @@ def keep_fp8_linears(module: nn.Module, ckpt: Checkpoint, prefix: str) -> None:
                     Fp8Linear(ckpt.raw(source), ckpt.raw(source + "_scale_inv"), ckpt.fp8_block))
 
 
-def load_experts(ckpt: Checkpoint, base: str, cfg: TextConfig, which: str, dtype: torch.dtype) -> torch.Tensor:
+def load_experts(ckpt: Checkpoint, base: str, cfg: Any, which: str, dtype: torch.dtype) -> torch.Tensor:
     """One layer's routed experts as the fused tensor `which` ("gate_up_proj" [E, 2I, H] or "down_proj" [E, H, I])."""
     e = cfg.num_experts
     fused = base + which
-    if fused in ckpt and ckpt.infos[fused].shape == expert_shape(cfg, which, fused=True):
+    shape = expert_shape(cfg, which, fused=True)
+    info = fused_experts(ckpt, fused)
+    if info is not None and info.shape == shape:
         return ckpt.weight(fused, dtype)
-    out = torch.empty(expert_shape(cfg, which, fused=True), dtype=dtype)
+    if info is not None and info.shape == (e, shape[2], shape[1]):  # stored transposed
+        return ckpt.raw(fused).transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    out = torch.empty(shape, dtype=dtype)
     for j in range(e):
         out[j] = expert_matrix(ckpt, base, cfg, which, j).to(dtype)
     return out
 
 
-def expert_shape(cfg: TextConfig, which: str, fused: bool = False) -> tuple[int, ...]:
+def fused_experts(ckpt: Checkpoint, fused: str) -> TensorInfo | None:
+    """The header entry of a fused expert tensor, None if the checkpoint stores experts one by one. Fused experts
+    are released in bf16 only; FP8 ones would need per-expert block scales no release defines."""
+    info = ckpt.infos.get(fused)
+    if info is not None and info.dtype in FP8_DTYPES:
+        raise CheckpointError(f"{info.file}: tensor '{fused}' is stored as FP8 in the fused experts layout, which no "
+                              "release uses (the FP8 releases store each expert on its own with block scales). Use "
+                              "the model's official BF16 or FP8 release.")
+    return info
+
+
+def expert_shape(cfg: Any, which: str, fused: bool = False) -> tuple[int, ...]:
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     shape = (2 * i, h) if which == "gate_up_proj" else (h, i)
     return (cfg.num_experts, *shape) if fused else shape
 
 
-def expert_matrix(ckpt: Checkpoint, base: str, cfg: TextConfig, which: str, j: int) -> torch.Tensor:
+def expert_matrix(ckpt: Checkpoint, base: str, cfg: Any, which: str, j: int) -> torch.Tensor:
     """Expert j's fp32 matrix [2I, H] (gate rows, then up) or [H, I], whatever the checkpoint layout: fused,
     fused-transposed (told apart by shape: H != I != 2I in every real model), or per-expert (FP8 or not)."""
     out_dim, in_dim = expert_shape(cfg, which)
     fused = base + which
-    if fused in ckpt:
+    if fused_experts(ckpt, fused) is not None:
         shape = ckpt.infos[fused].shape
         if shape == (cfg.num_experts, out_dim, in_dim):
             return ckpt.raw(fused)[j].float()
@@ -137,7 +156,7 @@ def expert_matrix(ckpt: Checkpoint, base: str, cfg: TextConfig, which: str, j: i
                       checked(ckpt, f"{base}{j}.up_proj.weight", (i, h), torch.float32)])
 
 
-def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: TextConfig, fmt: str, device: torch.device,
+def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: Any, fmt: str, device: torch.device,
                            cache_file: Path | None) -> QuantizedExperts:
     """One layer's routed experts (checkpoint names under `base`) in a quantised format, as backends.experts makes
     them: the released FP8 matrices where the format is fp8 and the blocks line up, else each expert's matrix."""
