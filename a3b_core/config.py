@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -243,3 +244,21 @@ def sections(raw: dict, where: str) -> tuple[dict, dict | None]:
     if vision is not None and not isinstance(vision, dict):
         raise ConfigError(f"{where}: 'vision_config' must be an object.")
     return text, vision
+
+
+def model_config(raw: dict, where: str, stored: StoredLayers | None, is_moe: bool,
+                 parse_text: Callable[[dict, str, bool, dict, int | None], Any],
+                 parse_vision: Callable[[dict, str, int | None], Any], special_tokens: dict[str, int]) -> ModelConfig:
+    """A config.json object parsed with a family's text and vision parsers (given the layer counts the weights hold,
+    when `stored`), with what every family's config holds around those sections: the special token ids (top level,
+    or the text config; `special_tokens` gives the family's defaults), the FP8 quantization and the caption
+    request."""
+    text, vision = sections(raw, where)
+    text_config = parse_text(text, where, is_moe, raw, stored.text if stored else None)
+    vision_config = parse_vision(vision, where, stored.vision if stored else None) if vision else None
+    quant, block = quantization(raw, where)
+    return ModelConfig(
+        model_type=raw["model_type"], text=text_config, vision=vision_config,
+        **{key: token_id(raw, text, key, default, where) for key, default in special_tokens.items()},
+        quantization=quant, fp8_block=block,
+        caption_prompt=field(raw, "a3b_caption_prompt", where, default=None, types=str))

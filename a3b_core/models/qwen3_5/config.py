@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...config import (ModelConfig, StoredLayers, check_grouped, eos_token_ids, experts_per_token, field, layer_count,
-                       positive, positive_real, quantization, rope_config, sections, token_id)
+                       model_config, positive, positive_real, rope_config)
 from ...errors import ConfigError
 from ..vision import parse_vision_config
 
@@ -108,28 +108,15 @@ def parse_qwen3_5_vision(vision: dict, where: str, stored_blocks: int | None):
     return parse_vision_config(vision, where, stored_blocks)
 
 
+SPECIAL_TOKENS = {"image_token_id": 248056, "video_token_id": 248057, "vision_start_token_id": 248053,
+                  "vision_end_token_id": 248054}  # the defaults, where config.json leaves them out
+
+
 def parse_config(raw: dict, where: str = "config.json", stored: StoredLayers | None = None) -> ModelConfig:
     """config.json's object (its model_type one of MODEL_TYPES) -> ModelConfig; with `stored`, the layer counts
     must match what the weights hold."""
-    model_type = raw["model_type"]
-    text, vision = sections(raw, where)
-    quant, block = quantization(raw, where)
-
-    def token(key: str, default: int) -> int:
-        return token_id(raw, text, key, default, where)
-
-    return ModelConfig(
-        model_type=model_type,
-        text=parse_text_config(text, where, MODEL_TYPES[model_type], raw, stored.text if stored else None),
-        vision=parse_qwen3_5_vision(vision, where, stored.vision if stored else None) if vision else None,
-        image_token_id=token("image_token_id", 248056),
-        video_token_id=token("video_token_id", 248057),
-        vision_start_token_id=token("vision_start_token_id", 248053),
-        vision_end_token_id=token("vision_end_token_id", 248054),
-        quantization=quant,
-        fp8_block=block,
-        caption_prompt=field(raw, "a3b_caption_prompt", where, default=None, types=str),
-    )
+    return model_config(raw, where, stored, MODEL_TYPES[raw["model_type"]], parse_text_config, parse_qwen3_5_vision,
+                        SPECIAL_TOKENS)
 
 
 def describe(config: ModelConfig) -> list[str]:
