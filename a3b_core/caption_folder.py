@@ -325,7 +325,7 @@ class _Prepared:
 def caption_request(model: "A3BModel", job: FolderJob) -> str:
     """The request sent with every image: the job's, else the preset's, else the model folder's own captioning
     request, else a plain one."""
-    return job.prompt or PRESETS[job.preset].prompt or model.config.caption_prompt or DEFAULT_CAPTION_PROMPT
+    return job.prompt or PRESETS[job.preset].prompt or model.caption_prompt or DEFAULT_CAPTION_PROMPT
 
 
 def caption_folder(model: "A3BModel", job: FolderJob,

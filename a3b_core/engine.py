@@ -90,6 +90,11 @@ class A3BModel:
         return self.chat_template.in_use if self.chat_template is not None else BUILT_IN_TEMPLATE
 
     @property
+    def caption_prompt(self) -> str | None:
+        """The model folder's own captioning request (config.json's a3b_caption_prompt), if it has one."""
+        return self.config.caption_prompt
+
+    @property
     def max_context(self) -> int:
         return self.plan.max_context
 

@@ -23,7 +23,7 @@ import os
 import re
 import time
 import urllib.parse
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -76,6 +76,11 @@ class RemoteModel:
 
     def __repr__(self) -> str:
         return f"RemoteModel({self.base_url!r}, {self.model!r})"
+
+    @property
+    def caption_prompt(self) -> None:
+        """A server does not say its model folder's captioning request: callers fall back to their own."""
+        return None
 
     # ------------------------------------------------------------------------------------------- the server
     def _headers(self) -> dict[str, str]:
@@ -147,15 +152,29 @@ class RemoteModel:
         urls = []
         for number, item in enumerate(items, start=1):
             try:
-                image = resize_image(load_image(item, background=background, srgb=srgb), size, resize)
+                urls.append(self.preprocess_image(item, size, resize, srgb, background))
             except ImageError as exc:  # named by its place in the batch, as the local engine names it
                 raise ImageError(f"Image {number} of {len(items)}: {exc}") from exc
-            png = io.BytesIO()
-            image.save(png, format="PNG")
-            urls.append("data:image/png;base64," + base64.b64encode(png.getvalue()).decode("ascii"))
             if progress is not None:
                 progress(number, len(items))
         return RemoteImages(tuple(urls))
+
+    def preprocess_image(self, image, size: int = 384, resize: str = "stretch", srgb: bool = True,
+                         background: tuple[int, int, int] = (255, 255, 255)) -> str:
+        """One image -> its PNG data URL (what A3BModel.preprocess_image is for a local model)."""
+        png = io.BytesIO()
+        resize_image(load_image(image, background=background, srgb=srgb), size, resize).save(png, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode("ascii")
+
+    @staticmethod
+    def encode_patches(urls: Iterable[str], total: int, progress: Callable[[int, int], None] | None = None
+                       ) -> RemoteImages:
+        """Prepared images (preprocess_image's results) as one RemoteImages, as A3BModel.encode_patches joins a
+        local model's."""
+        urls = tuple(urls)
+        if progress is not None:
+            progress(len(urls), total)
+        return RemoteImages(urls)
 
     # ------------------------------------------------------------------------------------------- prompts
     def build_prompt(self, user: str = "", system: str | None = None, images: RemoteImages | None = None,

@@ -1,5 +1,6 @@
 """A3B Remote Model in a real ComfyUI, pointed at `python -m a3b_core serve`: the shipped workflows give the local demo
-model's answers (greedy), Stop cancels the server's generation, and a wrong address fails with a clear message."""
+model's answers (greedy; the pixel-art workflow's folder captions too), Stop cancels the server's generation, and a
+wrong address fails with a clear message."""
 from __future__ import annotations
 
 import copy
@@ -9,7 +10,8 @@ import pytest
 
 from tests.integration.comfy_server import ComfyServer
 from tests.integration.conftest import error_message, load_api_workflow
-from tests.integration.test_workflows import WORKFLOW_NAMES, _nodes, _set_inputs, _succeeded
+from tests.integration.pixel_art_inputs import expected_captions
+from tests.integration.test_workflows import GENERATE_WORKFLOWS, _nodes, _set_inputs, _succeeded
 from tests.served import Served, start_served
 from tests.tiny_models import build_fixtures
 
@@ -34,7 +36,7 @@ def remote_graph(graph: dict, url: str) -> dict:
     return graph
 
 
-@pytest.mark.parametrize("name", WORKFLOW_NAMES)
+@pytest.mark.parametrize("name", GENERATE_WORKFLOWS)
 def test_a_shipped_workflow_gives_the_local_answers_through_the_remote_model(comfy: ComfyServer,
                                                                             demo_server: Served, name: str) -> None:
     local = _set_inputs(load_api_workflow(name, model="a3b-demo"), "A3BGenerate", seed=301, **GREEDY)
@@ -47,6 +49,22 @@ def test_a_shipped_workflow_gives_the_local_answers_through_the_remote_model(com
         speeds += entry["outputs"][generate]["a3b_speed"]
     assert answers[1] == answers[0] and all(answer.strip() for answer in answers[0])
     assert all(speed.startswith("TTFT ") and " · stopped: eos" in speed for speed in speeds), speeds
+
+
+def test_the_pixel_art_workflow_captions_its_folder_through_the_remote_model(comfy: ComfyServer,
+                                                                            demo_server: Served) -> None:
+    # A server does not tell its model folder's captioning request, so both runs name the demo model's own.
+    shipped = _set_inputs(load_api_workflow("pixel_art_lora_captioning", model="a3b-demo"), "A3BCaptionFolder",
+                          prompt="Describe the image.")
+    (preview,) = _nodes(shipped, "PreviewAny")
+    captions = {}
+    for where, graph in (("local", shipped), ("remote", remote_graph(shipped, demo_server.url))):
+        graph = _set_inputs(graph, "A3BCaptionFolder", output_subfolder=f"a3b_captions/pixel_art_{where}_model")
+        entry = comfy.run(graph)
+        _succeeded(comfy, entry)
+        captions[where] = entry["outputs"][preview]["text"]
+    expected = [f"pxlart, {caption}" for _, caption in sorted(expected_captions().items())]
+    assert captions["remote"] == captions["local"] == expected
 
 
 def test_stop_cancels_the_generation_on_the_server(comfy: ComfyServer, tmp_path_factory) -> None:
