@@ -9,8 +9,7 @@ import torch
 from torch import nn
 
 from .errors import PlacementError
-
-DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
+from .options import DEVICE_CHOICES
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
