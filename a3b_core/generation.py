@@ -366,7 +366,7 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
             stats["prefill_tok_s"] = sum(lengths) / stats["ttft_s"]
         chosen = [rows[r].choose(s) for r, s in zip(active, sampled)]
         tokens = torch.tensor(chosen)  # in RAM: the embedding lookup and the sampler take them from there
-        sampler.observe(tokens)
+        sampler.observe(chosen)
         for r, token in zip(active, chosen):
             if rows[r].add(token, eos_ids) and on_text is not None:
                 on_text(r, rows[r].live_text)

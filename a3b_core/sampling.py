@@ -16,6 +16,7 @@ well under 100), but float32 scores overflow: inf - inf is NaN, and no token can
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from numbers import Integral, Real
 
@@ -171,11 +172,13 @@ class Sampler:
         tokens = picks if ids is None else moved[:, k:2 * k].gather(-1, picks).long()
         return tokens[:, 0].masked_fill_(~finite, NOT_FINITE).tolist()
 
-    def observe(self, tokens: torch.Tensor) -> None:
-        """Records the tokens [B] (on any device) just appended to each row."""
-        for mask in (self.generated, self.seen):
-            if mask is not None:
-                mask.scatter_(1, tokens[:, None].to(mask.device), True)
+    def observe(self, tokens: Sequence[int]) -> None:
+        """Records the tokens just appended to each row (one per row): one copy to the masks' device serves both."""
+        masks = [mask for mask in (self.generated, self.seen) if mask is not None]
+        if masks:
+            index = torch.tensor(tokens, device=masks[0].device)[:, None]
+            for mask in masks:
+                mask.scatter_(1, index, True)
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drops finished rows: keeps `rows` (indices into the current batch), in that order."""

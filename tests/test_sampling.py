@@ -68,7 +68,7 @@ def test_extreme_accepted_values_keep_scores_finite(values):
     logits = torch.linspace(-60, 60, 64)[None].repeat(2, 1)
     logits[1, :8] = 0.0
     sampler = Sampler(params, [[0, 1, 2, 63], [5]], vocab_size=64, device=torch.device("cpu"), seed=0)
-    sampler.observe(torch.tensor([63, 8]))
+    sampler.observe([63, 8])
     assert NOT_FINITE not in sampler(logits)
     assert not logits.isnan().any() and torch.isfinite(logits).any(dim=-1).all()
 
@@ -124,7 +124,7 @@ def test_penalties_change_exactly_the_seen_logits():
 def test_sampler_tracks_prompt_and_generated_tokens():
     params = SamplingParams(0.0, 1.0, 0, 0.0, presence_penalty=1.0, repetition_penalty=2.0)
     sampler = Sampler(params, [[1, 2], [3]], vocab_size=6, device=torch.device("cpu"), seed=0)
-    sampler.observe(torch.tensor([4, 1]))
+    sampler.observe([4, 1])
     assert sampler.seen.tolist() == [[False, True, True, False, True, False], [False, True, False, True, False,
                                                                                 False]]
     assert sampler.generated.nonzero().tolist() == [[0, 4], [1, 1]]
