@@ -28,8 +28,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from .config import inside_folder
 from .errors import ChatTemplateError
 from .options import BUILT_IN_TEMPLATE
-from .prompt import (ImagePart, MediaTokens, Message, Prompt, Turn, VideoPart, conversation, pads_for, pads_in,
-                     tokenize)
+from .prompt import (IMAGE_PAD, VIDEO_PAD, ImagePart, MediaTokens, Message, Prompt, Turn, VideoPart, conversation,
+                     pads_for, pads_in, tokenize)
 from .tokenizer import Tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -86,8 +86,13 @@ class FolderTemplate:
         text = self.render([_as_template_message(message) for message in chat.messages], thinking, add_vision_id)
         written, expected = pads_in(text), pads_for(chat.image_token_counts)
         if written != expected:
-            raise self._error(f"wrote the placeholders {written} for the images and videos {expected}; a template for "
-                              "this model must write one where each image or video goes, in order")
+            wrote = (f"wrote {written.count(IMAGE_PAD)} image placeholders ({IMAGE_PAD}) for "
+                     f"{expected.count(IMAGE_PAD)} images")
+            if VIDEO_PAD in written + expected:
+                wrote += (f" and {written.count(VIDEO_PAD)} video placeholders ({VIDEO_PAD}) for "
+                          f"{expected.count(VIDEO_PAD)} videos, in the order {written}")
+            raise self._error(f"{wrote}; a template for this model must write one where each image or video goes, "
+                              "in order")
         return Prompt(tuple(tokenize(tokenizer, text, chat.image_token_counts)), chat.image_token_counts, thinking,
                       text)
 

@@ -184,9 +184,10 @@ def _user_parts(text: str, items: Sequence[MediaTokens], items_before: Sequence[
     if not markers:
         return (*parts, text)
     if len(markers) != len(items):
-        raise PromptError(f"the {where} has {len(markers)} {IMAGE_MARKER} / {VIDEO_MARKER} markers but {given}. Put "
-                          "one marker where each image or video goes, or remove all markers to place them before the "
-                          "text.")
+        videos = VIDEO_MARKER in markers or any(isinstance(part, VideoPart) for part in parts)
+        kinds = f"{IMAGE_MARKER} / {VIDEO_MARKER}" if videos else IMAGE_MARKER
+        raise PromptError(f"the {where} has {len(markers)} {kinds} markers but {given}. Put one marker where each "
+                          "image or video goes, or remove all markers to place them before the text.")
     for place, (marker, part) in enumerate(zip(markers, parts), start=1):
         expected = VIDEO_MARKER if isinstance(part, VideoPart) else IMAGE_MARKER
         if marker != expected:

@@ -75,8 +75,8 @@ def as_uint8_frames(frames: Any, name: str) -> torch.Tensor:
             first = shapes[0]
             other = next(index for index, shape in enumerate(shapes) if shape != first)
             raise VideoError(f"{name}: frame {other + 1} has shape {shapes[other]} but frame 1 has {first}; every "
-                             "frame of a clip must have one size. Resize the frames to one size first (e.g. with "
-                             "ComfyUI's Upscale Image node).")
+                             "frame of a clip must have one size. Give frames of one size (scale them first, e.g. "
+                             "with ComfyUI's Upscale Image node).")
         frames = [torch.as_tensor(np.asarray(frame)) if isinstance(frame, np.ndarray) else frame for frame in frames]
         if not all(isinstance(frame, torch.Tensor) for frame in frames):
             raise VideoError(f"{name} holds items that are not frames; give numpy arrays or tensors [H, W, C].")
@@ -85,12 +85,12 @@ def as_uint8_frames(frames: Any, name: str) -> torch.Tensor:
         frames = torch.from_numpy(np.ascontiguousarray(frames))
     if not isinstance(frames, torch.Tensor):
         raise VideoError(f"{name} is not a clip; give frames [frames, height, width, channels] or a video file path.")
+    if frames.dim() == 4 and frames.shape[0] == 0:
+        raise VideoError(f"{name} holds no frames (0-frame clip); give a clip with at least one frame.")
     if frames.dim() != 4 or frames.shape[-1] not in (1, 3, 4):
-        raise VideoError(f"{name} is not a clip of frames; expected [frames, height, width, channels] with 1, 3 or 4 "
+        raise VideoError(f"{name} is not a clip of frames; give [frames, height, width, channels] with 1, 3 or 4 "
                          "channels (channels last, as ComfyUI's IMAGE).")
     count, height, width = frames.shape[:3]
-    if count == 0:
-        raise VideoError(f"{name} holds no frames (0-frame clip); give a clip with at least one frame.")
     if height == 0 or width == 0:
         raise VideoError(f"{name} has frames of a degenerate size {width}x{height}; give frames of at least 1x1.")
     if count * height * width > MAX_CLIP_PIXELS:
@@ -265,7 +265,7 @@ def _check_sampling(frame_rate: float, fps: float, min_frames: int, max_frames: 
     for label, value in (("min_frames", min_frames), ("max_frames", max_frames),
                          ("max_frame_tokens", max_frame_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise VideoError(f"{label} is {value!r}; expected a whole number of at least 1.")
+            raise VideoError(f"{label} is {value!r}; set it to a whole number of at least 1.")
     if min_frames > max_frames:
         raise VideoError(f"min_frames {min_frames} is above max_frames {max_frames}; lower min_frames or raise "
                          "max_frames.")
@@ -285,5 +285,5 @@ def load_video(src: Any, frame_rate: float | None) -> VideoFrames:
 
 def _check_rate(value: Any, label: str, name: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float, Fraction)) or not 0 < value < math.inf:
-        raise VideoError(f"{label} of {name} is {value!r}; expected a positive number of frames per second (e.g. 24 "
-                         f"for the clip's frame_rate, {DEFAULT_FPS:g} for the fps sampled).")
+        raise VideoError(f"{label} of {name} is {value!r}; pass a positive number of frames per second (e.g. 24 for "
+                         f"the clip's frame_rate, {DEFAULT_FPS:g} for the fps sampled).")
