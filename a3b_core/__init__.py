@@ -8,4 +8,5 @@ from .prompt import IMAGE_MARKER, VIDEO_MARKER, Turn
 
 __all__ = ["A3BModel", "GenerationResult", "ChatPrompt", "EncodedImages", "load_model", "Turn", "A3BError",
            "CheckpointError", "ConfigError", "GenerationError", "ImageError", "ModelReleasedError", "PlacementError",
-           "PromptError", "RemoteError", "VideoError", "IMAGE_MARKER", "VIDEO_MARKER", "load_image", "resize_image", "split_batch", "split_reasoning"]
+           "PromptError", "RemoteError", "VideoError", "IMAGE_MARKER", "VIDEO_MARKER", "load_image", "resize_image",
+           "split_batch", "split_reasoning"]

@@ -44,10 +44,6 @@ class EncodedImages:
         return [count if stamps is None else VideoTokens(count // len(stamps), stamps)
                 for count, stamps in zip(self.token_counts, self.timestamps)]
 
-    @property
-    def video_count(self) -> int:
-        return sum(stamps is not None for stamps in self.timestamps)
-
 
 @dataclass(frozen=True)
 class ChatPrompt:

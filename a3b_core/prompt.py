@@ -211,7 +211,8 @@ def pads_for(counts: Sequence[MediaTokens]) -> list[str]:
 
 def tokenize(tokenizer: Tokenizer, text: str, counts: tuple[MediaTokens, ...]) -> list[int]:
     """Token ids of a rendered prompt holding one IMAGE_PAD per image and one VIDEO_PAD per video, in the order of
-    `counts` (the caller checked: pads_in(text) == pads_for(counts)): an image's pad written out as its number of pads, a video's as its frame groups."""
+    `counts` (the caller checked: pads_in(text) == pads_for(counts)): an image's pad written out as its number of
+    pads, a video's as its frame groups."""
     chunks = _PADS.split(text)
     ids = tokenizer.encode(chunks[0])
     for count, chunk in zip(counts, chunks[1:]):

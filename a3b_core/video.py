@@ -34,7 +34,7 @@ MAX_FRAMES = 768
 MAX_FRAME_TOKENS = 768  # merged patches (LM tokens) per frame, Qwen's reference per-frame cap
 MIN_PIXELS = 4096  # size.shortest_edge: pixels of the whole clip, at least
 MAX_PIXELS = 25165824  # size.longest_edge: pixels of the whole clip, at most
-MAX_CLIP_PIXELS = 64 * MAX_INPUT_PIXELS  # decoded pixels a clip may hold in memory (about 13 GB of uint8 RGB)
+MAX_CLIP_PIXELS = 32 * MAX_INPUT_PIXELS  # decoded pixels a clip may hold in memory (about 13 GB of uint8 RGB)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ the per-frame pixel cap on) and the model, fp32, on the tiny Qwen3.5 and Qwen3-V
 files and the errors a user can cause."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -11,9 +12,16 @@ import pytest
 import torch
 
 from a3b_core import EncodedImages, PromptError, VideoError, load_model
-from a3b_core.video import read_video
+from a3b_core.models.qwen3_5.chat_template import build_prompt as qwen3_5_prompt
+from a3b_core.models.qwen3_vl.chat_template import build_prompt as qwen3_vl_prompt
+from a3b_core.prompt import Turn, VideoTokens
+from a3b_core.tokenizer import Tokenizer
+from a3b_core.video import _read_with_opencv, read_video
+from nodes.prompt_spec import PER_IMAGE, PromptSpec, build_prompts
+from nodes.video_batch import encode_clips
 from tests import tiny_models as tm
 from tests.test_bad_inputs import FIX
+from tests.test_prompt import official_template, official_text
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
@@ -150,9 +158,39 @@ def test_markers_place_images_and_videos_by_kind(family, fixtures):
     assert text.index("<|image_pad|>") < text.index("<|video_pad|>") < text.index("Compare them.")
 
 
+@pytest.mark.parametrize("add_vision_id", [False, True])
+@pytest.mark.parametrize("family_name, thinking", [("qwen3_5", False), ("qwen3_5", True), ("qwen3_vl", False),
+                                                    ("qwen3_vl", True)])
+def test_videos_are_placed_and_numbered_as_the_released_templates_do(family_name, thinking, add_vision_id):
+    files = {("qwen3_5", False): "qwen3_5_chat_template.jinja", ("qwen3_5", True): "qwen3_5_chat_template.jinja",
+             ("qwen3_vl", False): "qwen3_vl_instruct_chat_template.jinja",
+             ("qwen3_vl", True): "qwen3_vl_thinking_chat_template.jinja"}
+    build = {"qwen3_5": qwen3_5_prompt, "qwen3_vl": qwen3_vl_prompt}[family_name]
+    history = (Turn("What happens in [[VID]]?", "It moves.", num_images=1),)
+    counts = [VideoTokens(2, (0.3, 1.5)), 4, VideoTokens(3, (0.5,))]
+    prompt = build(Tokenizer(build_tiny_tokenizer()), "Compare [[IMG]] with [[VID]].", image_token_counts=counts,
+                   history=history, thinking=thinking, add_vision_id=add_vision_id)
+    video, image = {"type": "video"}, {"type": "image"}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What happens in "}, video,
+                                             {"type": "text", "text": "?"}]},
+                {"role": "assistant", "content": "It moves."},
+                {"role": "user", "content": [{"type": "text", "text": "Compare "}, image,
+                                             {"type": "text", "text": " with "}, video, {"type": "text", "text": "."}]}]
+    expected = official_text(messages, thinking=thinking, add_vision_id=add_vision_id,
+                             template=official_template(DATA / files[family_name, thinking]))
+    assert prompt.text == expected
+    assert ("Video 2: " in prompt.text) == add_vision_id and ("Picture 1: " in prompt.text) == add_vision_id
+    # the processor's expansion of each pad, in order: a video's frame groups each after its timestamp
+    group = "<{}><|vision_start|>" + "<|video_pad|>" * 2 + "<|vision_end|>"
+    expansions = iter([group.format("0.3 seconds") + group.format("1.5 seconds"), "<|image_pad|>" * 4,
+                       "<0.5 seconds><|vision_start|>" + "<|video_pad|>" * 3 + "<|vision_end|>"])
+    expanded = re.sub(r"<\|image_pad\|>|<\|video_pad\|>", lambda _: next(expansions), expected)
+    assert list(prompt.input_ids) == build_tiny_tokenizer().encode(expanded, add_special_tokens=False).ids
+
+
 # ----------------------------------------------------------------------------------------------- files
 def write_clip(path: Path, frames: np.ndarray, rate: int) -> None:
-    import av
+    av = pytest.importorskip("av")  # ComfyUI's requirements bring PyAV
     with av.open(str(path), "w") as container:
         stream = container.add_stream("mpeg4", rate=rate)
         stream.height, stream.width = frames.shape[1:3]
@@ -169,6 +207,18 @@ def test_a_video_file_is_read_with_its_frame_rate(tmp_path):
     assert decoded.frames.shape == (6, 64, 96, 3) and decoded.frames.dtype == torch.uint8
     assert decoded.frame_rate == 12.0
     assert (decoded.frames.float() - torch.from_numpy(pixels).float()).abs().mean() < 12  # lossy, but the same clip
+
+
+def test_without_pyav_opencv_reads_the_same_clip(tmp_path):
+    write_clip(tmp_path / "clip.mp4", clip(6, 64, 96), rate=12)
+    with_pyav = read_video(tmp_path / "clip.mp4")
+    with_opencv = _read_with_opencv(tmp_path / "clip.mp4", "the clip")
+    assert with_opencv.frame_rate == with_pyav.frame_rate and with_opencv.frames.shape == with_pyav.frames.shape
+    assert (with_opencv.frames.float() - with_pyav.frames.float()).abs().mean() < 3  # the decoders' colour rounding
+    (tmp_path / "broken.mp4").write_bytes(b"not a video at all" * 100)
+    with pytest.raises(VideoError, match="broken.mp4") as error:
+        _read_with_opencv(tmp_path / "broken.mp4", "video file 'broken.mp4'")
+    assert FIX.search(str(error.value))
 
 
 def test_encoding_a_file_equals_encoding_its_frames(family, tmp_path):
@@ -233,7 +283,6 @@ def test_bad_sampling_options_are_named(family, options, message):
 
 # ----------------------------------------------------------------------------------------------- A3B Video Encode
 def test_video_encode_appends_clips_after_the_connected_images(family, fixtures):
-    from nodes.video_batch import encode_clips
     model, _ = family
     images = model.encode_images(fixtures.wide_image, resize="native")
     frames = torch.from_numpy(clip(7, 64, 96)).float() / 255  # an IMAGE batch, as ComfyUI gives it
@@ -248,7 +297,6 @@ def test_video_encode_appends_clips_after_the_connected_images(family, fixtures)
 
 
 def test_video_encode_needs_a_clip_and_names_the_input(family):
-    from nodes.video_batch import encode_clips
     model, _ = family
     with pytest.raises(VideoError, match="neither 'video' nor 'frames'") as error:
         encode_clips(model, None, None, 24.0, None)
@@ -258,7 +306,6 @@ def test_video_encode_needs_a_clip_and_names_the_input(family):
 
 
 def test_per_image_mode_gives_one_prompt_per_clip(family):
-    from nodes.prompt_spec import PER_IMAGE, PromptSpec, build_prompts
     model, _ = family
     clips = model.encode_video(torch.from_numpy(clip(4, 64, 64)), frame_rate=4.0) + \
         model.encode_video(torch.from_numpy(clip(8, 64, 64, seed=3)), frame_rate=4.0)
