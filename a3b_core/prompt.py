@@ -30,11 +30,6 @@ class VideoTokens:
     group_tokens: int  # LM tokens of each frame group
     timestamps: tuple[float, ...]  # seconds of each frame group
 
-    @property
-    def total(self) -> int:
-        """The video's LM tokens (its embedding rows)."""
-        return self.group_tokens * len(self.timestamps)
-
 
 MediaTokens = int | VideoTokens  # an image's LM token count, or a video's
 
