@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from . import IMAGE_MARKER, PromptError, Turn
+from . import IMAGE_MARKER, VIDEO_MARKER, PromptError, Turn
 
 
 @dataclass(frozen=True)
@@ -101,6 +101,9 @@ def _plain_text(text: object, where: str) -> str:
     if IMAGE_MARKER in text:
         raise PromptError(f"{where} contains {IMAGE_MARKER}, which this server reserves for image places. Send images "
                           "as image_url parts and remove the marker from the text.")
+    if VIDEO_MARKER in text:
+        raise PromptError(f"{where} contains {VIDEO_MARKER}, which this server reserves for video places, and it takes "
+                          "no videos. Remove the marker from the text.")
     return text
 
 

@@ -28,7 +28,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from .config import inside_folder
 from .errors import ChatTemplateError
 from .options import BUILT_IN_TEMPLATE
-from .prompt import IMAGE_PAD, ImagePart, Message, Prompt, Turn, conversation, tokenize
+from .prompt import (IMAGE_PAD, VIDEO_PAD, ImagePart, MediaTokens, Message, Prompt, Turn, VideoPart, conversation,
+                     pads_for, pads_in, tokenize)
 from .tokenizer import Tokenizer
 
 TEMPLATE_FILE = "chat_template.jinja"
@@ -77,16 +78,21 @@ class FolderTemplate:
         return f"model folder: {self.name}"
 
     def build_prompt(self, tokenizer: Tokenizer, user: str, *, system: str | None = None,
-                     image_token_counts: Sequence[int] = (), thinking: bool = False, history: Sequence[Turn] = (),
-                     add_vision_id: bool = False) -> Prompt:
+                     image_token_counts: Sequence[MediaTokens] = (), thinking: bool = False,
+                     history: Sequence[Turn] = (), add_vision_id: bool = False) -> Prompt:
         """The conversation (see prompt.conversation) rendered by this template and tokenized, each image's pad
-        written out to its number of LM tokens."""
+        written out to its number of LM tokens and each video's to its timestamped frame groups."""
         chat = conversation(tokenizer, user, system=system, image_token_counts=image_token_counts, history=history)
         text = self.render([_as_template_message(message) for message in chat.messages], thinking, add_vision_id)
-        pads, images = text.count(IMAGE_PAD), len(chat.image_token_counts)
-        if pads != images:
-            raise self._error(f"wrote {pads} image placeholders ({IMAGE_PAD}) for {images} images; a template for "
-                              "this model must write one where each image goes")
+        written, expected = pads_in(text), pads_for(chat.image_token_counts)
+        if written != expected:
+            wrote = (f"wrote {written.count(IMAGE_PAD)} image placeholders ({IMAGE_PAD}) for "
+                     f"{expected.count(IMAGE_PAD)} images")
+            if VIDEO_PAD in written + expected:
+                wrote += (f" and {written.count(VIDEO_PAD)} video placeholders ({VIDEO_PAD}) for "
+                          f"{expected.count(VIDEO_PAD)} videos, in the order {written}")
+            raise self._error(f"{wrote}; a template for this model must write one where each image or video goes, "
+                              "in order")
         return Prompt(tuple(tokenize(tokenizer, text, chat.image_token_counts)), chat.image_token_counts, thinking,
                       text)
 
@@ -167,9 +173,11 @@ def _read_text(folder: Path, path: Path) -> str:
 
 def _as_template_message(message: Message) -> dict:
     """A message as chat templates take it (the OpenAI form transformers passes): text content as a string, content
-    with images as a list of {"type": "text", "text"} and {"type": "image"} parts; reasoning as reasoning_content."""
-    if any(isinstance(part, ImagePart) for part in message.parts):
-        content: Any = [{"type": "image"} if isinstance(part, ImagePart) else {"type": "text", "text": part}
+    with images or videos as a list of {"type": "text", "text"}, {"type": "image"} and {"type": "video"} parts;
+    reasoning as reasoning_content."""
+    if any(not isinstance(part, str) for part in message.parts):
+        kinds = {ImagePart: "image", VideoPart: "video"}
+        content: Any = [{"type": "text", "text": part} if isinstance(part, str) else {"type": kinds[type(part)]}
                         for part in message.parts if part != ""]
     else:
         content = "".join(message.parts)

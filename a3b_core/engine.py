@@ -12,21 +12,23 @@ import torch
 
 from . import backends, devices
 from . import image as image_pipeline
+from . import video as video_pipeline
 from .chat_template import FolderTemplate, find_chat_template
 from .checkpoint import Checkpoint
 from .config import ModelConfig, read_config
-from .errors import CheckpointError, ConfigError, ImageError, ModelReleasedError, PromptError
+from .errors import CheckpointError, ConfigError, ImageError, ModelReleasedError, PromptError, VideoError
 from .generation import GenerationResult, generate, generate_batch
 from .inputs import ChatPrompt, EncodedImages, check_input_ids
 from .models import family_for, family_of
 from .options import BUILT_IN_TEMPLATE, CHAT_TEMPLATES, COMPUTE_DTYPES, FORMAT_OF_DTYPE
 from .placement import Plan, make_plan
-from .prompt import Turn
+from .prompt import VIDEO_PAD, Turn, VideoTokens, tokenize
 from .tokenizer import Tokenizer, check_against_config
 from .backends.experts import CONVERTED_FORMATS
 from .weights import Progress, find_prefix, load_module
 
 EXPERT_CACHE_VERSION = 1
+VIDEO_GROUPS_PER_PASS = 8  # frame groups through the vision tower at once: bounds its memory for long clips
 DEMO_MODEL_NAME = "a3b-demo"  # load_model's default
 DEMO_MODELS = {name: Path(__file__).parent / "demo" / name for name in (DEMO_MODEL_NAME, "a3b-demo-fp8")}
 
@@ -148,6 +150,64 @@ class A3BModel:
                 progress(len(grids), total)
         return EncodedImages(embeds, grids)
 
+    # ------------------------------------------------------------------------------------------- videos
+    @torch.inference_mode()
+    def encode_video(self, video, frame_rate: float | None = None, fps: float = video_pipeline.DEFAULT_FPS,
+                     min_frames: int = video_pipeline.MIN_FRAMES, max_frames: int = video_pipeline.MAX_FRAMES,
+                     max_frame_tokens: int = video_pipeline.MAX_FRAME_TOKENS,
+                     max_pixels: int = video_pipeline.MAX_PIXELS,
+                     progress: Progress | None = None) -> EncodedImages:
+        """One clip -> its vision embeddings, one item that a prompt places with [[VID]] (and that joins encoded
+        images with +). `video`: a video file path (decoded with PyAV, else OpenCV), or frames [T, H, W, C] (uint8,
+        or float 0..1 as ComfyUI's IMAGE; or a list of [H, W, C] frames of one size) shown at `frame_rate` frames per
+        second.
+
+        As Qwen's video processor: `fps` frames per second of the clip are sampled, at least `min_frames` and at most
+        `max_frames`; every frame is resized to one size of at most `max_frame_tokens` LM tokens (and the clip to
+        `max_pixels` pixels in all); frames go in pairs, each pair one frame group with its timestamp in the prompt.
+        A clip whose tokens the model's context cannot hold is refused before the vision tower runs.
+        `progress(done, total)` is called after each batch of frame groups."""
+        vision = self.require_vision()
+        vcfg = self.config.vision
+        name = video_pipeline.describe(video)
+        clip = video_pipeline.load_video(video, frame_rate)
+        sampled = video_pipeline.preprocess_video(
+            clip.frames, clip.frame_rate, fps=fps, min_frames=min_frames, max_frames=max_frames,
+            max_frame_tokens=max_frame_tokens, max_pixels=max_pixels, patch_size=vcfg.patch_size,
+            temporal_patch_size=vcfg.temporal_patch_size, merge_size=vcfg.spatial_merge_size, name=name)
+        self._check_video_fits(sampled, clip, fps, name)
+        groups, gh, gw = sampled.grid
+        per_group = gh * gw
+        vision_device = vision.pos_embed.weight.device
+        embeds = []
+        for start in range(0, groups, VIDEO_GROUPS_PER_PASS):  # frame groups are independent in the vision tower
+            count = min(VIDEO_GROUPS_PER_PASS, groups - start)
+            pixels = sampled.pixel_values[start * per_group:(start + count) * per_group]
+            embeds.append(vision(pixels.to(vision_device, self.dtype), [(count, gh, gw)]).cpu())
+            if progress is not None:
+                progress(start + count, groups)
+        return EncodedImages([torch.cat(embeds)], [sampled.grid], [sampled.timestamps])
+
+    def _check_video_fits(self, sampled: video_pipeline.SampledVideo, clip: video_pipeline.VideoFrames, fps: float,
+                          name: str) -> None:
+        """Refuses a clip whose prompt tokens alone fill the model's context, saying which frame count and fps fit."""
+        groups, gh, gw = sampled.grid
+        merge = self.config.vision.spatial_merge_size
+        item = VideoTokens(gh * gw // merge ** 2, sampled.timestamps)
+        tokens = len(tokenize(self.tokenizer, VIDEO_PAD, (item,))) if self.tokenizer is not None else \
+            groups * (item.group_tokens + 2)
+        if tokens < self.max_context:
+            return
+        frames_per_group = self.config.vision.temporal_patch_size
+        fitting_groups = (self.max_context - 1) * groups // tokens
+        frames = fitting_groups * frames_per_group
+        seconds = clip.frames.shape[0] / clip.frame_rate
+        fit = (f"lower max_frames to {frames} or fewer (fps {frames / seconds:.3g} samples that many from this "
+               f"{seconds:.3g} s clip)" if frames else "no frame count fits at this frame size")
+        raise VideoError(f"{name}: {len(sampled.frame_indices)} frames sampled at fps {fps:g} give {tokens} prompt "
+                         f"tokens, but the model's context holds {self.max_context}. To fit, {fit}; or lower "
+                         "max_frame_tokens for smaller frames, or load the model with a larger max_context.")
+
     def require_vision(self) -> torch.nn.Module:
         self.require_loaded()
         if self.vision is None:
@@ -172,17 +232,22 @@ class A3BModel:
         if self.fixed_thinking is not None:  # the model's variant decides, whatever the prompt asks
             thinking = self.fixed_thinking
         template = self.chat_template.build_prompt if self.chat_template is not None else self.family.build_prompt
-        prompt = template(self.require_tokenizer(), user, system=system, image_token_counts=images.token_counts,
+        prompt = template(self.require_tokenizer(), user, system=system, image_token_counts=images.prompt_tokens,
                           thinking=thinking, history=history, add_vision_id=add_vision_id)
         return ChatPrompt(prompt, images)
 
     # ------------------------------------------------------------------------------------------- forward
+    def vision_pads(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Where input_ids hold an image or video pad, whose places the vision rows take in order."""
+        pad_ids = torch.tensor((self.config.image_token_id, self.config.video_token_id), device=input_ids.device)
+        return torch.isin(input_ids, pad_ids)
+
     def image_rows(self, input_ids: torch.Tensor, images: EncodedImages | None) -> torch.Tensor | None:
-        """The images' rows, one per image pad of input_ids (checked), or None without images: [n, hidden], or
-        [n, 1 + levels, hidden] for a vision tower with DeepStack."""
+        """The images' and videos' rows, one per image or video pad of input_ids (checked), or None without images:
+        [n, hidden], or [n, 1 + levels, hidden] for a vision tower with DeepStack."""
         if images is None:
             return None
-        n_pads, image_rows = int((input_ids == self.config.image_token_id).sum()), sum(images.token_counts)
+        n_pads, image_rows = int(self.vision_pads(input_ids).sum()), sum(images.token_counts)
         if n_pads != image_rows:
             raise PromptError(f"input_ids hold {n_pads} image pad tokens but the images supply {image_rows} "
                               "embedding rows; build prompts with model.build_prompt so pads and images agree.")
@@ -204,7 +269,7 @@ class A3BModel:
         embeds = self.text.embed_tokens(input_ids.to(table.device)).to(self.device)
         if image_rows is not None:
             rows = image_rows[:, 0] if image_rows.dim() == 3 else image_rows
-            embeds[(input_ids == self.config.image_token_id).to(self.device)] = rows.to(self.device, embeds.dtype)
+            embeds[self.vision_pads(input_ids).to(self.device)] = rows.to(self.device, embeds.dtype)
         return embeds
 
     def deepstack(self, input_ids: torch.Tensor,
@@ -214,7 +279,7 @@ class A3BModel:
         the rows' later levels [n, levels, H]."""
         if image_rows is None or image_rows.dim() != 3:
             return None
-        pads = (input_ids.cpu() == self.config.image_token_id).flatten().nonzero().squeeze(1)
+        pads = self.vision_pads(input_ids.cpu()).flatten().nonzero().squeeze(1)
         return pads.to(self.device), image_rows[:, 1:].to(self.device)
 
     def run_text(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None, position_ids: torch.Tensor, cache,
@@ -234,7 +299,7 @@ class A3BModel:
         for row in range(b):
             real = attention_mask[row].bool() if attention_mask is not None else torch.ones(t, dtype=torch.bool)
             ids = input_ids[row][real.to(input_ids.device)].cpu()
-            n_pads, row_grids = int((ids == self.config.image_token_id).sum()), []
+            n_pads, row_grids = int(self.vision_pads(ids).sum()), []
             while n_pads > 0 and pending:
                 grid, tokens = pending.pop(0)
                 row_grids.append(grid)
@@ -258,7 +323,7 @@ class A3BModel:
                 chunk: int | None = None) -> torch.Tensor:
         """Runs a prompt batch (input_ids [B, T] in RAM) into `cache`, `chunk` tokens at a time (default: what the
         plan's activation workspace holds); returns the last position's logits [B, V]."""
-        pads = input_ids == self.config.image_token_id
+        pads = self.vision_pads(input_ids)
         image_rows = self.image_rows(input_ids, images)
         per_row = image_rows.split(pads.sum(1).tolist()) if image_rows is not None else ()  # each row's own, in order
         used = [0] * input_ids.shape[0]

@@ -39,3 +39,7 @@ class RemoteError(A3BError):
 
 class ChatTemplateError(A3BError):
     """A model folder's chat template cannot be read, compiled or rendered, or renders a prompt the model cannot use."""
+
+
+class VideoError(ImageError):
+    """An input clip cannot be decoded, holds no frames, or does not fit the model's context."""

@@ -1,19 +1,26 @@
-"""What a generation takes, whatever the model: encoded images, a built prompt with its images, and token ids."""
+"""What a generation takes, whatever the model: encoded images and videos, a built prompt with them, and token
+ids."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .errors import PromptError
-from .prompt import Prompt
+from .prompt import MediaTokens, Prompt, VideoTokens
 
 
 @dataclass
 class EncodedImages:
-    """Vision-tower output for a list of images, reusable across prompts."""
-    embeds: list[torch.Tensor]  # per image [tokens, hidden]
-    grids: list[tuple[int, int, int]]  # per image (t, gh, gw) in patches
+    """Vision-tower output for a list of images and videos (in the order prompts use them), reusable across
+    prompts."""
+    embeds: list[torch.Tensor]  # per item [tokens, hidden]
+    grids: list[tuple[int, int, int]]  # per item (t, gh, gw) in patches: t is 1 for an image, a video's frame groups
+    timestamps: list[tuple[float, ...] | None] = field(default_factory=list)  # per item: a video's, None for an image
+
+    def __post_init__(self) -> None:
+        if not self.timestamps:
+            self.timestamps = [None] * len(self.embeds)
 
     def __len__(self) -> int:
         return len(self.embeds)
@@ -21,14 +28,21 @@ class EncodedImages:
     def __getitem__(self, index: int | slice) -> "EncodedImages":
         if isinstance(index, int):
             index = slice(index, index + 1 if index != -1 else None)
-        return EncodedImages(self.embeds[index], self.grids[index])
+        return EncodedImages(self.embeds[index], self.grids[index], self.timestamps[index])
 
     def __add__(self, other: "EncodedImages") -> "EncodedImages":
-        return EncodedImages(self.embeds + other.embeds, self.grids + other.grids)
+        return EncodedImages(self.embeds + other.embeds, self.grids + other.grids, self.timestamps + other.timestamps)
 
     @property
     def token_counts(self) -> list[int]:
+        """Embedding rows (LM tokens) per item."""
         return [e.shape[0] for e in self.embeds]
+
+    @property
+    def prompt_tokens(self) -> list[MediaTokens]:
+        """What each item adds to a prompt: an image's token count, a video's VideoTokens."""
+        return [count if stamps is None else VideoTokens(count // len(stamps), stamps)
+                for count, stamps in zip(self.token_counts, self.timestamps)]
 
 
 @dataclass(frozen=True)

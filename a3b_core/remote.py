@@ -176,6 +176,11 @@ class RemoteModel:
             progress(len(urls), total)
         return RemoteImages(urls)
 
+    def encode_video(self, video, **options) -> RemoteImages:
+        """Videos are read by the local engine only: sampling and timestamps would have to match the server's."""
+        raise RemoteError(f"{self.base_url}: a remote model does not take videos here. Connect an A3B Model Loader "
+                          "(a local model) to A3B Video Encode instead.")
+
     # ------------------------------------------------------------------------------------------- prompts
     def build_prompt(self, user: str = "", system: str | None = None, images: RemoteImages | None = None,
                      thinking: bool = False, history: Sequence[Turn] = ()) -> RemoteChat:

@@ -138,12 +138,14 @@ def build_systems(args, model_dir: Path) -> list[System]:
             systems.append(System(f"llama.cpp {kind.upper()}", llama.bench_command(
                 tree, path, args.prefill, args.decode, args.threads), llama.parse_bench, per_token))
     if args.no_image:
-        print("[bench] image TTFT skipped (--no-image)")
+        print("[bench] image and video TTFT skipped (--no-image)")
     elif DEMO_MODEL.is_file():
         command = worker(args.threads, "image-ttft", "--dtype", "float32")
         systems.append(System("ours image TTFT (demo, fp32)", command, worker_result))
+        command = worker(args.threads, "video-ttft", "--dtype", "float32")
+        systems.append(System("ours video TTFT (demo, fp32)", command, worker_result))
     else:
-        print(f"[bench] image TTFT skipped: the demo model {DEMO_MODEL.parent} does not exist yet")
+        print(f"[bench] image and video TTFT skipped: the demo model {DEMO_MODEL.parent} does not exist yet")
     return systems
 
 
@@ -205,6 +207,10 @@ def report(systems: list[System], bandwidths: list[float], heading: str, args) -
             lines += ["", f"{s.name}: time to first token {s.median('image_ttft_s'):.2f} s for one 384x384 image "
                           f"({s.runs[0]['image_tokens']} image tokens) + {s.runs[0]['text_tokens']} text tokens, "
                           f"peak RSS {s.peak_rss() / GB:.2f} GB"]
+        if s.median("video_ttft_s") is not None:
+            lines += ["", f"{s.name}: time to first token {s.median('video_ttft_s'):.2f} s for a "
+                          f"{s.runs[0]['frames']}-frame 384x384 clip ({s.runs[0]['video_tokens']} video tokens) + "
+                          f"{s.runs[0]['text_tokens']} text tokens, peak RSS {s.peak_rss() / GB:.2f} GB"]
     ratios = (("decode speed", lambda s: s.median("decode_tok_s"), "faster"),
               ("prefill speed", lambda s: s.median("prefill_tok_s"), "faster"),
               ("peak RSS", System.peak_rss, "larger"))
@@ -230,7 +236,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a 128-token prompt and 32 new tokens")
     parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp (and its build)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers")
-    parser.add_argument("--no-image", action="store_true", help="skip the demo model's image TTFT")
+    parser.add_argument("--no-image", action="store_true", help="skip the demo model's image and video TTFT")
     parser.add_argument("--ours", default=DEFAULT_OURS,
                         help=f"our configurations, COMPUTE[+EXPERTS] comma-separated (default {DEFAULT_OURS})")
     parser.add_argument("--baseline", default="",

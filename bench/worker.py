@@ -3,6 +3,7 @@
     python bench/worker.py ours --model DIR --dtype bfloat16 --format int4 --prefill 512 --decode 128
     python bench/worker.py transformers --model DIR --dtype float32 --prefill 512 --decode 128
     python bench/worker.py image-ttft
+    python bench/worker.py video-ttft
     python bench/worker.py profile --model DIR --dtype bfloat16 --format auto --decode 16
     python bench/worker.py bandwidth
 
@@ -27,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repositor
 from bench.roofline import measure_bandwidth, torch_bytes_per_token  # noqa: E402
 
 IMAGE_TEXT_TOKENS = 32
+VIDEO_FRAMES = 16
 
 
 def peak_rss_bytes() -> int:
@@ -101,20 +103,43 @@ def run_image_ttft(args) -> None:
     model = load_model("a3b-demo", preset="cpu", compute_dtype=args.dtype)
     image = Image.new("RGB", (384, 384), (20, 60, 230))
     ImageDraw.Draw(image).ellipse((100, 100, 260, 260), fill=(220, 20, 20))
-    images = model.encode_images([image])
+    seconds, text_tokens, image_tokens = first_token_seconds(model, lambda: model.encode_images([image]))
+    report(dict(image_ttft_s=seconds, text_tokens=text_tokens, image_tokens=image_tokens))
+
+
+def run_video_ttft(args) -> None:
+    """Time to first token for a 16-frame 384x384 clip (2 s at 8 frames per second, all 16 frames sampled: 8 frame
+    groups of 144 tokens) and 32 text tokens on the embedded demo model, video encoding included."""
+    from a3b_core import load_model
+
+    model = load_model("a3b-demo", preset="cpu", compute_dtype=args.dtype)
+    y, x = torch.meshgrid(torch.arange(384), torch.arange(384), indexing="ij")
+    frames = torch.full((VIDEO_FRAMES, 384, 384, 3), 230, dtype=torch.uint8)
+    for index in range(VIDEO_FRAMES):  # a red disc crossing the frame
+        frames[index][(x - 60 - 16 * index) ** 2 + (y - 192) ** 2 <= 50 ** 2] = torch.tensor([220, 20, 20],
+                                                                                            dtype=torch.uint8)
+    rate = VIDEO_FRAMES / 2
+    seconds, text_tokens, video_tokens = first_token_seconds(
+        model, lambda: model.encode_video(frames, frame_rate=rate, fps=rate, max_frames=VIDEO_FRAMES))
+    report(dict(video_ttft_s=seconds, text_tokens=text_tokens, video_tokens=video_tokens, frames=VIDEO_FRAMES))
+
+
+def first_token_seconds(model, encode) -> tuple[float, int, int]:
+    """Seconds from encoding (`encode()`: images or a clip) to the first token of a prompt of IMAGE_TEXT_TOKENS text
+    tokens around them, after one warm-up run; and the prompt's text and vision token counts."""
+    media = encode()
     words = ["Describe", "the", "image."]
-    while True:  # the template's tokens plus the user text: IMAGE_TEXT_TOKENS in all
-        prompt = model.build_prompt(user=" ".join(words), images=images)
-        text_tokens = len(prompt.input_ids) - sum(images.token_counts)
+    while True:  # the template's tokens (a video's timestamps among them) plus the user text: IMAGE_TEXT_TOKENS
+        prompt = model.build_prompt(user=" ".join(words), images=media)
+        text_tokens = len(prompt.input_ids) - sum(media.token_counts)
         if text_tokens >= IMAGE_TEXT_TOKENS:
             break
         words.append("please")
     model.generate(prompt, max_new_tokens=1, temperature=0)  # warm-up
     started = time.perf_counter()
-    prompt = model.build_prompt(user=" ".join(words), images=model.encode_images([image]))
+    prompt = model.build_prompt(user=" ".join(words), images=encode())
     model.generate(prompt, max_new_tokens=1, temperature=0)
-    report(dict(image_ttft_s=time.perf_counter() - started, text_tokens=text_tokens,
-                image_tokens=sum(prompt.images.token_counts)))
+    return time.perf_counter() - started, text_tokens, sum(prompt.images.token_counts)
 
 
 # ------------------------------------------------------------------------------------------------- transformers
@@ -169,7 +194,8 @@ def run_bandwidth(args) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("system", choices=["ours", "transformers", "image-ttft", "profile", "bandwidth"])
+    parser.add_argument("system", choices=["ours", "transformers", "image-ttft", "video-ttft", "profile",
+                                           "bandwidth"])
     parser.add_argument("--model", type=Path)
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--format", default="auto", help="our routed-expert format: auto|fp32|bf16|fp8|int8|int4")
@@ -180,7 +206,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     {"ours": run_ours, "transformers": run_transformers, "image-ttft": run_image_ttft,
-     "profile": run_profile, "bandwidth": run_bandwidth}[args.system](args)
+     "video-ttft": run_video_ttft, "profile": run_profile, "bandwidth": run_bandwidth}[args.system](args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from a3b_core.errors import VideoError
+
 try:
     import comfy.model_management as model_management
     import comfy.model_patcher
@@ -85,6 +87,17 @@ class Progress:
     def set(self, done: int, total: int | None = None) -> None:
         if self._bar is not None:
             self._bar.update_absolute(done, total)
+
+
+def video_frames(video) -> tuple[torch.Tensor, float]:
+    """A ComfyUI VIDEO's frames [frames, height, width, channels] (float 0..1) and frame rate, from comfy_api's
+    VideoInput.get_components()."""
+    try:
+        components = video.get_components()
+    except Exception as exc:  # PyAV's decoding errors and ComfyUI's own, whatever their class
+        raise VideoError(f"the VIDEO input cannot be decoded ({type(exc).__name__}: {exc}); the file is corrupt or not "
+                         "a video. Re-export it (e.g. as H.264 mp4) or pick another file.") from exc
+    return components.images, float(components.frame_rate)
 
 
 def engine_device() -> torch.device:

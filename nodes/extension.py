@@ -7,12 +7,13 @@ from .comfy_bridge import ComfyExtension, io
 from .model_nodes import A3BModelLoader
 from .remote_nodes import A3BRemoteModel
 from .text_nodes import A3BGenerate, A3BImageEncode, A3BPrompt
+from .video_nodes import A3BVideoEncode
 
 
 class A3BExtension(ComfyExtension):
     async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return [A3BModelLoader, A3BRemoteModel, A3BImageEncode, A3BPrompt, A3BGenerate, A3BSaveCaptions,
-                A3BCaptionFolder]
+        return [A3BModelLoader, A3BRemoteModel, A3BImageEncode, A3BVideoEncode, A3BPrompt, A3BGenerate,
+                A3BSaveCaptions, A3BCaptionFolder]
 
 
 async def comfy_entrypoint() -> A3BExtension:

@@ -20,7 +20,7 @@ MODES = [SINGLE, PER_IMAGE]
 class PromptSpec:
     user: str
     system: str = ""
-    images: Any = None  # EncodedImages from A3B Image Encode, or None
+    images: Any = None  # EncodedImages from A3B Image Encode / Video Encode, or None
     thinking: bool = False
     history: tuple[Turn, ...] = ()  # earlier exchanges, oldest first
     history_images: Any = None  # the EncodedImages those exchanges referred to, in order, or None
@@ -40,14 +40,14 @@ class PromptSpec:
 
 
 def build_prompts(model: Any, spec: PromptSpec, mode: str) -> list[Any]:
-    """Engine prompts for one generation call: one prompt in single mode, one per image in per-image mode."""
+    """Engine prompts for one generation call: one prompt in single mode, one per image or clip in per-image mode."""
     if mode == SINGLE:
         return [_build(model, spec, spec.images)]
     if mode != PER_IMAGE:
         raise PromptError(f"mode {mode!r} is not one of {MODES}.")
     if not spec.image_count:
-        raise PromptError("mode 'per image' needs images, but the prompt has none. Connect an A3B Image Encode node "
-                          "to the prompt's 'images' input, or switch mode to 'single'.")
+        raise PromptError("mode 'per image' needs images or clips, but the prompt has none. Connect an A3B Image "
+                          "Encode or A3B Video Encode node to the prompt's 'images' input, or switch mode to 'single'.")
     return [_build(model, spec, spec.images[index]) for index in range(spec.image_count)]
 
 

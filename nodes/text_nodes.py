@@ -56,18 +56,20 @@ class A3BPrompt(io.ComfyNode):
             node_id="A3BPrompt",
             display_name="A3B Prompt",
             category=CATEGORY,
-            description="Writes the request: a system message, the user text with [[IMG]] where each image goes, "
-                        "and whether the model thinks first.",
+            description="Writes the request: a system message, the user text with [[IMG]] where each image goes "
+                        "and [[VID]] where each video goes, and whether the model thinks first.",
             inputs=[
                 io.String.Input("system", multiline=True, default="",
                                 tooltip="Optional system message (role, style, output format). Cannot hold images."),
                 io.String.Input("user", multiline=True, default="Describe [[IMG]] in detail.",
-                                tooltip="The request. Write [[IMG]] where each image goes, one marker per image "
-                                        "(in per-image mode: one marker). Without markers the images come first."),
+                                tooltip="The request. Write [[IMG]] where each image goes and [[VID]] where each "
+                                        "video goes, one marker per item in their order (in per-image mode: one "
+                                        "marker). Without markers the images and videos come first."),
                 io.Boolean.Input("thinking", default=False, label_on="on", label_off="off",
                                  tooltip="On: the model reasons before answering (slower; the reasoning comes out "
                                          "of Generate's 'reasoning' output). Off: it answers directly."),
-                ImagesWire.Input("images", optional=True, tooltip="Images from A3B Image Encode."),
+                ImagesWire.Input("images", optional=True,
+                                 tooltip="Images from A3B Image Encode, or clips from A3B Video Encode."),
                 PromptWire.Input("previous", optional=True,
                                 tooltip="The previous prompt of a conversation, to ask a follow-up question."),
                 io.String.Input("previous_answer", optional=True, force_input=True,
@@ -100,7 +102,8 @@ class A3BGenerate(io.ComfyNode):
                 PromptWire.Input("prompt", tooltip="From A3B Prompt."),
                 io.Combo.Input("mode", options=MODES, default=SINGLE,
                                tooltip="single: one answer for the whole prompt. per image: the prompt is asked "
-                                       "once for each image (decoded together as a batch), one answer per image."),
+                                       "once for each image or clip (decoded together as a batch), one answer "
+                                       "each."),
                 io.Int.Input("max_new_tokens", default=512, min=1, max=32768,
                              tooltip="Upper limit on the answer's length in tokens (reasoning included)."),
                 io.Float.Input("temperature", default=0.7, min=0.0, max=2.0, step=0.05,
@@ -129,7 +132,7 @@ class A3BGenerate(io.ComfyNode):
             ],
             outputs=[
                 io.String.Output(display_name="answer", is_output_list=True,
-                                 tooltip="The answer; in per-image mode one answer per image (a list)."),
+                                 tooltip="The answer; in per-image mode one answer per image or clip (a list)."),
                 io.String.Output(display_name="reasoning", is_output_list=True,
                                  tooltip="The thinking before each answer (empty with thinking off)."),
             ],

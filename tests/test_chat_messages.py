@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from a3b_core import IMAGE_MARKER, PromptError, Turn, load_model
+from a3b_core import IMAGE_MARKER, VIDEO_MARKER, PromptError, Turn, load_model
 from a3b_core.chat_messages import conversation_from_messages, messages_from_conversation
 from tests.integration.pixel_art_inputs import INPUTS
 from tests.test_bad_inputs import FIX
@@ -117,6 +117,7 @@ def test_images_keep_their_order_and_places():
     ([{"role": "system", "content": "a"}, {"role": "system", "content": "b"}], "role 'system' where a 'user'"),
     ([{"role": "system", "content": [image(URLS[0])]}, {"role": "user", "content": "a"}], "not a text part"),
     ([{"role": "user", "content": f"Look {IMAGE_MARKER}"}], "reserves for image places"),
+    ([{"role": "user", "content": f"Look {VIDEO_MARKER}"}], "reserves for video places"),
     ([{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}], "only 'text' and 'image_url'"),
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], "has no url"),
     ([{"role": "user", "content": "a"}, {"role": "assistant", "content": None, "tool_calls": [{"id": "1"}]},

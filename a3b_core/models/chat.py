@@ -2,21 +2,24 @@
 template of its own (or the loader's chat_template is "built-in"), and the oracle the folder templates are tested
 against.
 
-All render messages as `<|im_start|>{role}\\n{content}<|im_end|>\\n` and an image as
-`<|vision_start|><|image_pad|><|vision_end|>` (then `<|image_pad|>` is written out once per LM token of that image,
-as the processor would). What differs, a ChatFormat says: whether texts are trimmed, how an earlier answer is
-re-rendered, and what the generation prompt opens with. Each family's chat_template.py holds its formats; tests render
-the released chat_template.jinja files as the oracle.
+All render messages as `<|im_start|>{role}\\n{content}<|im_end|>\\n`, an image as
+`<|vision_start|><|image_pad|><|vision_end|>` and a video as `<|vision_start|><|video_pad|><|vision_end|>` (then
+prompt.tokenize writes `<|image_pad|>` out once per LM token of that image, and `<|video_pad|>` out as the video's
+timestamped frame groups, as the processor would). What differs, a ChatFormat says: whether texts are trimmed, how
+an earlier answer is re-rendered, and what the generation prompt opens with. Each family's chat_template.py holds its
+formats; tests render the released chat_template.jinja files as the oracle.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..prompt import IMAGE_PAD, ImagePart, Message, Prompt, Turn, conversation, tokenize
+from ..prompt import (IMAGE_PAD, VIDEO_PAD, ImagePart, MediaTokens, Message, Prompt, Turn, VideoPart, conversation,
+                      tokenize)
 from ..tokenizer import Tokenizer
 
-_IMAGE_TEXT = "<|vision_start|>" + IMAGE_PAD + "<|vision_end|>"
+_VISION_TEXT = {ImagePart: ("Picture", "<|vision_start|>" + IMAGE_PAD + "<|vision_end|>"),
+                VideoPart: ("Video", "<|vision_start|>" + VIDEO_PAD + "<|vision_end|>")}
 
 
 @dataclass(frozen=True)
@@ -27,10 +30,11 @@ class ChatFormat:
 
 
 def render(chat: ChatFormat, tokenizer: Tokenizer, user: str, *, system: str | None = None,
-           image_token_counts: Sequence[int] = (), thinking: bool = False,
+           image_token_counts: Sequence[MediaTokens] = (), thinking: bool = False,
            history: Sequence[Turn] = (), add_vision_id: bool = False) -> Prompt:
     """Renders a conversation (see prompt.conversation for what it takes) the way the chat template of `chat` does
-    and tokenizes it. `add_vision_id` labels images "Picture N: ", numbered across the whole conversation."""
+    and tokenizes it. `add_vision_id` labels images "Picture N: " and videos "Video N: ", each numbered across the whole
+    conversation."""
     checked = conversation(tokenizer, user, system=system, image_token_counts=image_token_counts, history=history)
     parts = [_message(chat, message, add_vision_id) for message in checked.messages]
     parts.append("<|im_start|>assistant\n" + chat.assistant_opening(thinking))
@@ -40,8 +44,7 @@ def render(chat: ChatFormat, tokenizer: Tokenizer, user: str, *, system: str | N
 
 
 def _message(chat: ChatFormat, message: Message, add_vision_id: bool) -> str:
-    content = "".join(_image_text(part.number, add_vision_id) if isinstance(part, ImagePart) else part
-                      for part in message.parts)
+    content = "".join(part if isinstance(part, str) else _vision_text(part, add_vision_id) for part in message.parts)
     if chat.trimmed:
         content = content.strip()  # trimmed as a whole, like the template's `|trim`
     if message.role == "assistant":
@@ -49,8 +52,9 @@ def _message(chat: ChatFormat, message: Message, add_vision_id: bool) -> str:
     return f"<|im_start|>{message.role}\n{content}<|im_end|>\n"
 
 
-def _image_text(number: int, add_vision_id: bool) -> str:
-    return (f"Picture {number}: " if add_vision_id else "") + _IMAGE_TEXT
+def _vision_text(part: ImagePart | VideoPart, add_vision_id: bool) -> str:
+    label, text = _VISION_TEXT[type(part)]
+    return (f"{label} {part.number}: " if add_vision_id else "") + text
 
 
 def answer_after_thinking(answer: str, reasoning: str) -> str:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from tests.integration.comfy_server import NODE_MODULES, REPO, comfyui_missing_reason, prepare_base, start_server
 from tests.integration.pixel_art_inputs import DATASET as PIXEL_ART_DATASET
+from tests.integration.video_inputs import CLIP_NAME
 
 WORKFLOWS = REPO / "workflows"
 
@@ -106,8 +107,29 @@ PIXEL_ART_LORA_CAPTIONING = {
     "links": [["loader", 0, "caption", "model"], ["caption", 1, "preview", "source"]],
 }
 
+# One caption per clip (per-image mode), saved as <clip name>.txt: the layout video LoRA trainers read.
+VIDEO_LORA_CAPTIONING = {
+    "nodes": {
+        "loader": _LOADER,
+        "video": {"type": "LoadVideo", "pos": [40, 400], "size": [330, 380], "widgets": {"file": CLIP_NAME}},
+        "encode": {"type": "A3BVideoEncode", "pos": [410, 400], "size": [330, 300],
+                   "widgets": {"fps": 4.0, "max_frames": 16}},
+        "prompt": {"type": "A3BPrompt", "pos": [410, 60], "size": [440, 300], "widgets": {
+            "system": "You caption video clips for a video LoRA training dataset.",
+            "user": "[[VID]]\nCaption this clip in one sentence: the subject, how it moves, the background.",
+            "thinking": False}},
+        "generate": {"type": "A3BGenerate", "pos": [890, 60], "size": [380, 700], "widgets": {
+            "mode": "per image", "max_new_tokens": 160, "seed": 7, "control_after_generate": "fixed"}},
+        "save": {"type": "A3BSaveCaptions", "pos": [1310, 60], "size": [330, 380], "widgets": {
+            "names": CLIP_NAME, "subfolder": "a3b_captions/video", "if_exists": "overwrite"}},
+    },
+    "links": [["loader", 0, "encode", "model"], ["video", 0, "encode", "video"], ["encode", 0, "prompt", "images"],
+              ["loader", 0, "generate", "model"], ["prompt", 0, "generate", "prompt"],
+              ["generate", 0, "save", "captions"]],
+}
+
 SPECS = {"comic_storyboard": COMIC_STORYBOARD, "multi_angle_captioning": MULTI_ANGLE_CAPTIONING,
-         "pixel_art_lora_captioning": PIXEL_ART_LORA_CAPTIONING}
+         "pixel_art_lora_captioning": PIXEL_ART_LORA_CAPTIONING, "video_lora_captioning": VIDEO_LORA_CAPTIONING}
 
 
 def main() -> None:

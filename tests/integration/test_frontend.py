@@ -45,14 +45,16 @@ def run_frontend(comfy: ComfyServer, out_dir: Path, mode: str, widgets: dict, pr
     return report
 
 
-def test_the_three_workflows_are_shipped() -> None:
-    assert [path.stem for path in UI_WORKFLOWS] == ["comic_storyboard", "multi_angle_captioning",
-                                                     "pixel_art_lora_captioning"]
+SHIPPED = ["comic_storyboard", "multi_angle_captioning", "pixel_art_lora_captioning", "video_lora_captioning"]
+
+
+def test_the_four_workflows_are_shipped() -> None:
+    assert [path.stem for path in UI_WORKFLOWS] == SHIPPED
 
 
 def test_the_template_browser_lists_exactly_the_ui_workflows(comfy: ComfyServer) -> None:
     templates = comfy.get("/api/workflow_templates")
-    assert sorted(templates[PACK_NAME]) == ["comic_storyboard", "multi_angle_captioning", "pixel_art_lora_captioning"]
+    assert sorted(templates[PACK_NAME]) == SHIPPED
     for name in templates[PACK_NAME]:  # what the browser opens: a UI graph
         workflow = comfy.get(f"/api/workflow_templates/{PACK_NAME}/{name}.json")
         assert workflow["nodes"] and workflow["links"], name
@@ -106,6 +108,10 @@ def test_ui_workflows_run_and_stream_onto_the_generate_node(comfy: ComfyServer, 
         for node_id, node in entry["apiPrompt"].items():
             if node["class_type"] == "A3BCaptionFolder":  # the pixel-art workflow captions its dataset folder
                 assert history["outputs"][node_id]["a3b_saved"] in (["4 written"], ["4 skipped"]), name
+            if node["class_type"] == "A3BSaveCaptions":  # one caption file per image or clip, named after it
+                folder = comfy.output_dir / node["inputs"]["subfolder"]
+                for line in node["inputs"]["names"].splitlines():
+                    assert (folder / f"{line.rsplit('.', 1)[0]}.txt").read_text().strip(), f"{name}: {line}"
         assert all(plan for plan in entry["planShown"]), name
         assert Path(entry["screenshot"]).stat().st_size > 10_000
 

@@ -36,7 +36,10 @@ def remote_graph(graph: dict, url: str) -> dict:
     return graph
 
 
-@pytest.mark.parametrize("name", GENERATE_WORKFLOWS)
+VIDEO_WORKFLOW = "video_lora_captioning"  # clips are read by the local engine only
+
+
+@pytest.mark.parametrize("name", [name for name in GENERATE_WORKFLOWS if name != VIDEO_WORKFLOW])
 def test_a_shipped_workflow_gives_the_local_answers_through_the_remote_model(comfy: ComfyServer,
                                                                             demo_server: Served, name: str) -> None:
     local = _set_inputs(load_api_workflow(name, model="a3b-demo"), "A3BGenerate", seed=301, **GREEDY)
@@ -49,6 +52,15 @@ def test_a_shipped_workflow_gives_the_local_answers_through_the_remote_model(com
         speeds += entry["outputs"][generate]["a3b_speed"]
     assert answers[1] == answers[0] and all(answer.strip() for answer in answers[0])
     assert all(speed.startswith("TTFT ") and " · stopped: eos" in speed for speed in speeds), speeds
+
+
+def test_the_video_workflow_on_a_remote_model_says_to_use_a_local_one(comfy: ComfyServer,
+                                                                    demo_server: Served) -> None:
+    entry = comfy.run(remote_graph(load_api_workflow(VIDEO_WORKFLOW, model="a3b-demo"), demo_server.url))
+    assert entry["status"]["status_str"] == "error"
+    message = error_message(entry)
+    assert message.startswith("a3b_core.errors.RemoteError: ") and "does not take videos" in message
+    assert "Connect an A3B Model Loader" in message
 
 
 def test_the_pixel_art_workflow_captions_its_folder_through_the_remote_model(comfy: ComfyServer,

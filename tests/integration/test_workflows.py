@@ -11,7 +11,7 @@ from tests.integration.pixel_art_inputs import expected_captions
 
 pytestmark = pytest.mark.comfyui
 
-GENERATE_WORKFLOWS = ["comic_storyboard", "multi_angle_captioning"]
+GENERATE_WORKFLOWS = ["comic_storyboard", "multi_angle_captioning", "video_lora_captioning"]
 
 
 def _nodes(graph: dict, class_type: str) -> list[str]:
@@ -36,8 +36,8 @@ def test_api_workflow_runs_to_non_empty_answers(comfy: ComfyServer, name: str) -
     _succeeded(comfy, entry)
     (generate,) = _nodes(graph, "A3BGenerate")
     answers = entry["outputs"][generate]["a3b_answer"]
-    images = sum(1 for node in graph.values() if node["class_type"] == "LoadImage")
-    assert len(answers) == max(images, 1)
+    images = sum(1 for node in graph.values() if node["class_type"] in ("LoadImage", "LoadVideo"))
+    assert len(answers) == max(images, 1)  # per-image mode: one answer per image or clip
     assert all(answer.strip() for answer in answers)
     (speed,) = entry["outputs"][generate]["a3b_speed"]
     assert speed.startswith("TTFT ") and " tok/s · " in speed and " · stopped: " in speed, speed

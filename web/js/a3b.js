@@ -1,7 +1,8 @@
 // A3B nodes: shows the Loader's placement plan, the Generate node's answer (live while it streams) with the run's
-// speed line under it, and what Save Captions and Caption Folder wrote. The server sends the live text as ComfyUI "progress_text"
-// messages, the plan as an "a3b.plan" message each time a node uses the model (a cached Loader sends nothing
-// itself), and the rest as the nodes' ui outputs (a3b_answer, a3b_speed, a3b_saved).
+// speed line under it, what Save Captions and Caption Folder wrote, and what each clip of Video Encode costs in tokens.
+// The server sends the live text as ComfyUI "progress_text" messages, the plan as an "a3b.plan" message each time a
+// node uses the model (a cached Loader sends nothing itself), and the rest as the nodes' ui outputs (a3b_answer,
+// a3b_speed, a3b_saved, a3b_tokens).
 import { app } from "../../../scripts/app.js";
 import { api } from "../../../scripts/api.js";
 
@@ -98,13 +99,14 @@ app.registerExtension({
   },
 
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!["A3BGenerate", "A3BSaveCaptions", "A3BCaptionFolder"].includes(nodeData.name)) return;
+    if (!["A3BGenerate", "A3BSaveCaptions", "A3BCaptionFolder", "A3BVideoEncode"].includes(nodeData.name)) return;
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
       if (message?.a3b_answer) showAnswer(this, message.a3b_answer.join("\n\n"));
       if (message?.a3b_speed) showLine(this, "a3b_speed", message.a3b_speed.join(" "));
       if (message?.a3b_saved) showText(this, "a3b_saved", message.a3b_saved.join("\n"), 4);
+      if (message?.a3b_tokens) showText(this, "a3b_tokens", message.a3b_tokens.join("\n"), 2);
     };
   },
 });
