@@ -16,7 +16,7 @@ from .chat_template import FolderTemplate, find_chat_template
 from .checkpoint import Checkpoint
 from .config import ModelConfig, read_config
 from .errors import CheckpointError, ConfigError, ImageError, ModelReleasedError, PromptError
-from .generation import GenerationResult, generate, generate_batch
+from .generation import GenerationResult, SharedPrefix, generate, generate_batch, prefill_prefix
 from .inputs import ChatPrompt, EncodedImages, check_input_ids
 from .models import family_for, family_of
 from .options import BUILT_IN_TEMPLATE, CHAT_TEMPLATES, COMPUTE_DTYPES, FORMAT_OF_DTYPE
@@ -299,6 +299,15 @@ class A3BModel:
     def generate_batch(self, prompts, **options) -> list[GenerationResult]:
         """See a3b_core.generation.generate_batch."""
         return generate_batch(self, prompts, **options)
+
+    def prefill_prefix(self, ids: Sequence[int], kv_dtype: str | None = None) -> SharedPrefix:
+        """See a3b_core.generation.prefill_prefix."""
+        return prefill_prefix(self, ids, kv_dtype)
+
+    def text_before_images(self, prompt: ChatPrompt) -> list[int]:
+        """A built prompt's tokens before its first image (all of them when it has none)."""
+        ids = list(prompt.input_ids)
+        return ids[:ids.index(self.config.image_token_id)] if self.config.image_token_id in ids else ids
 
     def release(self) -> None:
         """Drops the weights; the handle cannot be used afterwards (load the model again)."""
