@@ -17,7 +17,7 @@ from .checkpoint import Checkpoint
 from .config import ModelConfig, read_config
 from .errors import CheckpointError, ConfigError, ImageError, ModelReleasedError, PromptError
 from .generation import GenerationResult, SharedPrefix, generate, generate_batch, prefill_prefix
-from .inputs import ChatPrompt, EncodedImages, check_input_ids
+from .inputs import ChatPrompt, EncodedImages, ImageSource, check_input_ids
 from .models import family_for, family_of
 from .options import BUILT_IN_TEMPLATE, CHAT_TEMPLATES, COMPUTE_DTYPES, FORMAT_OF_DTYPE
 from .placement import Plan, make_plan
@@ -124,7 +124,9 @@ class A3BModel:
         patches = image_pipeline.preprocess_images(
             items, size=size, mode=resize, srgb=srgb, background=background, patch_size=vcfg.patch_size,
             temporal_patch_size=vcfg.temporal_patch_size, merge_size=vcfg.spatial_merge_size)
-        return self.encode_patches(patches, len(items), progress)
+        encoded = self.encode_patches(patches, len(items), progress)
+        encoded.sources = [ImageSource(item, resize, srgb, tuple(background)) for item in items]
+        return encoded
 
     def preprocess_image(self, image, size: int = 384, resize: str = "stretch",
                          srgb: bool = True) -> tuple[torch.Tensor, tuple[int, int, int]]:

@@ -197,8 +197,8 @@ def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed,
     if thinking_budget is not None:
         thinking_budget = _whole("thinking_budget", thinking_budget, 0, "Use None for no limit.")
     positions = model.config.text.max_position_embeddings
-    if max_context is None:  # the loader's plan sized memory for this context
-        max_context = min(positions, model.max_context)
+    if max_context is None:
+        max_context = default_context(model)
     max_context = _whole("max_context", max_context, 1, "Use None for the default.")
     if max_context > positions:
         raise GenerationError(f"max_context is {max_context} but the model supports {positions} positions "
@@ -220,6 +220,12 @@ def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed,
     sampling = resolve_sampling(modes.pop(), **sampler_values)
     return _Options(max_new_tokens, sampling, int(seed) % 2 ** 64, tuple(s for s in stops if s), thinking_budget,
                     _kv_format(model, kv_dtype), max_context)
+
+
+def default_context(model: A3BModel) -> int:
+    """The context a call gets without max_context: what the loader's plan sized memory for, within the model's
+    positions."""
+    return min(model.config.text.max_position_embeddings, model.max_context)
 
 
 def _kv_format(model: A3BModel, kv_dtype: str | None) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -9,11 +10,21 @@ from .errors import PromptError
 from .prompt import Prompt
 
 
+@dataclass(frozen=True)
+class ImageSource:
+    """What an encoded image was made from, so it can be encoded again at another size."""
+    image: Any  # as given to encode_images: a path, PIL image, array or [H, W, C] tensor
+    resize: str
+    srgb: bool
+    background: tuple[int, int, int]
+
+
 @dataclass
 class EncodedImages:
     """Vision-tower output for a list of images, reusable across prompts."""
     embeds: list[torch.Tensor]  # per image [tokens, hidden]
     grids: list[tuple[int, int, int]]  # per image (t, gh, gw) in patches
+    sources: list[ImageSource] | None = None  # per image, when known (encode_images keeps them)
 
     def __len__(self) -> int:
         return len(self.embeds)
@@ -21,10 +32,13 @@ class EncodedImages:
     def __getitem__(self, index: int | slice) -> "EncodedImages":
         if isinstance(index, int):
             index = slice(index, index + 1 if index != -1 else None)
-        return EncodedImages(self.embeds[index], self.grids[index])
+        return EncodedImages(self.embeds[index], self.grids[index],
+                             self.sources[index] if self.sources is not None else None)
 
     def __add__(self, other: "EncodedImages") -> "EncodedImages":
-        return EncodedImages(self.embeds + other.embeds, self.grids + other.grids)
+        known = self.sources is not None and other.sources is not None
+        return EncodedImages(self.embeds + other.embeds, self.grids + other.grids,
+                             self.sources + other.sources if known else None)
 
     @property
     def token_counts(self) -> list[int]:
