@@ -90,6 +90,7 @@ class FolderJob:
     size: int = 384
     resize: str = "stretch"
     generation: GenerationOptions = DEFAULT_GENERATION
+    reuse_prefix: bool = True  # a local model prefills the prompts' shared start once per run (False: with each image)
 
 
 @dataclass(frozen=True)
@@ -427,7 +428,7 @@ def _caption_batch(model: A3BModel, job: FolderJob, request: str, prepared: list
         images = model.encode_patches((p.patches for p in readable), len(readable))
         prompts = [model.build_prompt(user=request, images=images[i]) for i in range(len(readable))]
         options = job.generation.as_kwargs()
-        if prefix is None and isinstance(model, A3BModel):
+        if prefix is None and job.reuse_prefix and isinstance(model, A3BModel):
             prefix = model.prefill_prefix(model.text_before_images(prompts[0]), options.get("kv_dtype"))
         if prefix is not None:
             options["shared_prefix"] = prefix

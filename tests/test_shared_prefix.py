@@ -139,19 +139,22 @@ def test_a_folder_run_prefills_its_prefix_once(tmp_path: Path):
     folder.mkdir()
     for seed in range(5):
         synthetic_image(200, 150, seed).save(folder / f"{seed}.png")
-    job = FolderJob(folder, batch_size=2, size=256,
-                    generation=GenerationOptions(max_new_tokens=4, temperature=0.0, presence_penalty=0.0))
-    with ForwardLog(model) as log:
-        outcomes, stopped = run_to_end(model, job)
-    assert not stopped and [o.status for o in outcomes] == ["written"] * 5
-    # what each image's prompt is, and the part every one of them starts with
     images = model.encode_images([folder / f"{seed}.png" for seed in range(5)], size=256)
     prompts = [model.build_prompt(user=model.caption_prompt, images=images[i]) for i in range(5)]
     prefix = model.text_before_images(prompts[0])
     assert len(prefix) > 1 and all(list(p.input_ids[:len(prefix)]) == prefix for p in prompts)
-    prefilled = sum(b * t for (b, t), _ in log.prefills)
-    assert prefilled == len(prefix) + sum(len(p.input_ids) - len(prefix) for p in prompts)
-    assert sum(1 for (b, t), _ in log.prefills if (b, t) == (1, len(prefix))) == 1  # one prefix pass, three batches
+    whole = sum(len(p.input_ids) for p in prompts)
+    captions = {}
+    for reuse, prefilled in ((True, len(prefix) + whole - 5 * len(prefix)), (False, whole)):
+        job = FolderJob(folder, output_dir=tmp_path / f"captions-{reuse}", batch_size=2, size=256, reuse_prefix=reuse,
+                        generation=GenerationOptions(max_new_tokens=8, temperature=0.0, presence_penalty=0.0))
+        with ForwardLog(model) as log:
+            outcomes, stopped = run_to_end(model, job)
+        assert not stopped and [o.status for o in outcomes] == ["written"] * 5
+        assert sum(b * t for (b, t), _ in log.prefills) == prefilled  # three batches, the prefix once (reused)
+        assert sum(shape == (1, len(prefix)) for shape, _ in log.prefills) == reuse
+        captions[reuse] = [o.caption for o in outcomes]
+    assert captions[True] == captions[False]
 
 
 def test_misused_prefixes_are_refused(models, fixtures):
