@@ -2,7 +2,9 @@
 
 Images are listed (sorted, optionally recursive), then captioned a batch at a time: while the model generates one
 batch, the next batch's files are decoded and resized on a worker thread, so only two batches of pixels are ever in
-memory. Each batch is one engine call (its prompts are decoded together). A caption file is written atomically and
+memory. Each batch is one engine call (its prompts are decoded together). On a local model the tokens every prompt
+has before its image (the chat format up to the image) are prefilled once per run, and each batch starts from them
+(generation.prefill_prefix); a remote server keeps its own prefix cache. A caption file is written atomically and
 only once its caption is complete, so a file that exists is finished: with `existing="skip"` a rerun, after a Stop,
 a crash or a power cut, carries on with the images that have none.
 
@@ -23,12 +25,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .engine import A3BModel
 from .errors import ConfigError, ImageError
 from .options import RESIZE_MODES, GenerationOptions
 from .textfiles import write_text_atomic
 
 if TYPE_CHECKING:
-    from .engine import A3BModel
+    from .generation import SharedPrefix
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
 EXISTING_POLICIES = ("skip", "overwrite", "append", "prepend")
@@ -87,6 +90,7 @@ class FolderJob:
     size: int = 384
     resize: str = "stretch"
     generation: GenerationOptions = DEFAULT_GENERATION
+    reuse_prefix: bool = True  # a local model prefills the prompts' shared start once per run (False: with each image)
 
 
 @dataclass(frozen=True)
@@ -322,13 +326,13 @@ class _Prepared:
     error: str = ""
 
 
-def caption_request(model: "A3BModel", job: FolderJob) -> str:
+def caption_request(model: A3BModel, job: FolderJob) -> str:
     """The request sent with every image: the job's, else the preset's, else the model folder's own captioning
     request, else a plain one."""
     return job.prompt or PRESETS[job.preset].prompt or model.caption_prompt or DEFAULT_CAPTION_PROMPT
 
 
-def caption_folder(model: "A3BModel", job: FolderJob,
+def caption_folder(model: A3BModel, job: FolderJob,
                    should_stop: Callable[[], bool] | None = None) -> Iterator[FolderProgress]:
     """Captions the job's folder (see the module's docstring); yields a FolderProgress after the images that are
     skipped up front, and after each batch. A stop ends the iteration with a step marked `stopped`."""
@@ -358,6 +362,7 @@ def caption_folder(model: "A3BModel", job: FolderJob,
     yield step
     request = caption_request(model, job)
     batches = [tasks[i:i + job.batch_size] for i in range(0, len(tasks), job.batch_size)]
+    prefix: SharedPrefix | None = None  # made from the first batch's prompts
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="a3b-images") as pool:
         ahead: Future | None = pool.submit(_prepare, model, job, batches[0]) if batches else None
         for number in range(len(batches)):
@@ -367,7 +372,7 @@ def caption_folder(model: "A3BModel", job: FolderJob,
                 _cancel(ahead)
                 yield _next(step, [], started, stopped=True)
                 return
-            outcomes, stopped, tokens, seconds = _caption_batch(model, job, request, prepared, stop)
+            outcomes, stopped, tokens, seconds, prefix = _caption_batch(model, job, request, prepared, stop, prefix)
             step = _next(step, outcomes, started, stopped=stopped, tokens=tokens, generation_s=seconds)
             yield step
             if stopped:
@@ -388,7 +393,7 @@ def _next(step: FolderProgress, outcomes: list[ImageOutcome], started: float, st
                    seconds=time.perf_counter() - started, stopped=stopped)
 
 
-def _prepare(model: "A3BModel", job: FolderJob, batch: list[_Task]) -> list[_Prepared]:
+def _prepare(model: A3BModel, job: FolderJob, batch: list[_Task]) -> list[_Prepared]:
     """Decoding and resizing a batch of files (the worker thread's part); an unreadable file is kept with its
     reason. Files for append / prepend are read here too."""
     prepared = []
@@ -409,9 +414,11 @@ def _prepare(model: "A3BModel", job: FolderJob, batch: list[_Task]) -> list[_Pre
     return prepared
 
 
-def _caption_batch(model: "A3BModel", job: FolderJob, request: str, prepared: list[_Prepared],
-                   stop: Callable[[], bool]) -> tuple[list[ImageOutcome], bool, int, float]:
-    """One batch through the model and into its files: (outcomes, stopped, new tokens, seconds in the model)."""
+def _caption_batch(model: A3BModel, job: FolderJob, request: str, prepared: list[_Prepared],
+                   stop: Callable[[], bool], prefix: SharedPrefix | None
+                   ) -> tuple[list[ImageOutcome], bool, int, float, SharedPrefix | None]:
+    """One batch through the model and into its files: (outcomes, stopped, new tokens, seconds in the model, the
+    run's shared prefix: `prefix`, or made from this batch on a local model)."""
     outcomes = {id(p): ImageOutcome(p.task.image, p.task.caption_file, "unreadable", detail=p.error)
                 for p in prepared if p.patches is None}
     readable = [p for p in prepared if p.patches is not None]
@@ -420,7 +427,12 @@ def _caption_batch(model: "A3BModel", job: FolderJob, request: str, prepared: li
         began = time.perf_counter()
         images = model.encode_patches((p.patches for p in readable), len(readable))
         prompts = [model.build_prompt(user=request, images=images[i]) for i in range(len(readable))]
-        results = model.generate_batch(prompts, should_stop=stop, **job.generation.as_kwargs())
+        options = job.generation.as_kwargs()
+        if prefix is None and job.reuse_prefix and isinstance(model, A3BModel):
+            prefix = model.prefill_prefix(model.text_before_images(prompts[0]), options.get("kv_dtype"))
+        if prefix is not None:
+            options["shared_prefix"] = prefix
+        results = model.generate_batch(prompts, should_stop=stop, **options)
         seconds = time.perf_counter() - began
         tags = PRESETS[job.preset].tags
         for item, result in zip(readable, results):
@@ -430,7 +442,7 @@ def _caption_batch(model: "A3BModel", job: FolderJob, request: str, prepared: li
                 continue
             outcomes[id(item)] = _finish(job, item.task, result.text, tags)
     ordered = [outcomes[id(p)] for p in prepared if id(p) in outcomes]
-    return ordered, stopped, tokens, seconds
+    return ordered, stopped, tokens, seconds, prefix
 
 
 def _finish(job: FolderJob, task: _Task, caption: str, tags: bool) -> ImageOutcome:
@@ -461,7 +473,7 @@ def summary(outcomes: Sequence[ImageOutcome], stopped: bool = False) -> str:
     return "\n".join(lines)
 
 
-def run_to_end(model: "A3BModel", job: FolderJob, should_stop: Callable[[], bool] | None = None,
+def run_to_end(model: A3BModel, job: FolderJob, should_stop: Callable[[], bool] | None = None,
                on_step: Callable[[FolderProgress], None] | None = None) -> tuple[list[ImageOutcome], bool]:
     """caption_folder run through: every outcome in order, and whether the run was stopped."""
     outcomes: list[ImageOutcome] = []

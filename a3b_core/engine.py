@@ -17,8 +17,8 @@ from .chat_template import FolderTemplate, find_chat_template
 from .checkpoint import Checkpoint
 from .config import ModelConfig, read_config
 from .errors import CheckpointError, ConfigError, ImageError, ModelReleasedError, PromptError, VideoError
-from .generation import GenerationResult, generate, generate_batch
-from .inputs import ChatPrompt, EncodedImages, check_input_ids
+from .generation import GenerationResult, SharedPrefix, generate, generate_batch, prefill_prefix
+from .inputs import ChatPrompt, EncodedImages, ImageSource, check_input_ids
 from .models import family_for, family_of
 from .options import BUILT_IN_TEMPLATE, CHAT_TEMPLATES, COMPUTE_DTYPES, FORMAT_OF_DTYPE
 from .placement import Plan, make_plan
@@ -126,7 +126,9 @@ class A3BModel:
         patches = image_pipeline.preprocess_images(
             items, size=size, mode=resize, srgb=srgb, background=background, patch_size=vcfg.patch_size,
             temporal_patch_size=vcfg.temporal_patch_size, merge_size=vcfg.spatial_merge_size)
-        return self.encode_patches(patches, len(items), progress)
+        encoded = self.encode_patches(patches, len(items), progress)
+        encoded.sources = [ImageSource(item, resize, srgb, tuple(background)) for item in items]
+        return encoded
 
     def preprocess_image(self, image, size: int = 384, resize: str = "stretch",
                          srgb: bool = True) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -364,6 +366,16 @@ class A3BModel:
     def generate_batch(self, prompts, **options) -> list[GenerationResult]:
         """See a3b_core.generation.generate_batch."""
         return generate_batch(self, prompts, **options)
+
+    def prefill_prefix(self, ids: Sequence[int], kv_dtype: str | None = None) -> SharedPrefix:
+        """See a3b_core.generation.prefill_prefix."""
+        return prefill_prefix(self, ids, kv_dtype)
+
+    def text_before_images(self, prompt: ChatPrompt) -> list[int]:
+        """A built prompt's tokens before its first image or clip (all of them when it has none)."""
+        ids = list(prompt.input_ids)
+        pads = self.vision_pads(torch.tensor(ids)).nonzero()
+        return ids[:int(pads[0, 0])] if len(pads) else ids
 
     def release(self) -> None:
         """Drops the weights; the handle cannot be used afterwards (load the model again)."""

@@ -8,9 +8,17 @@ Streaming: `on_text` gets the whole output so far each time it grows (never a br
 thinking mode it starts with "<think>\\n", so the reasoning shows live; the last call always carries
 `result.full_text`. `should_stop` is polled before the prefill and after every token; True ends the call with
 stop_reason "cancelled" and nothing left behind (the cache belongs to the call).
+
+Shared prefix: prompts that all start with the same tokens (a system message, the chat format, an instruction before
+the image) can start from one prefill of those tokens (`prefill_prefix`, made once, reused by every call given it as
+`shared_prefix`). Each prompt's remaining tokens are then prefilled from a copy of the prefix's cache and state, into
+the batch's cache laid out as a left-padded prefill lays it out, so decoding is unchanged. Padding never sits between
+a prefix and its continuation (it would decay a recurrent state): rows with equally many remaining tokens are
+prefilled together, unpadded.
 """
 from __future__ import annotations
 
+import itertools
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -77,15 +85,59 @@ def generate_batch(model: A3BModel, prompts: Sequence, *, max_new_tokens: int = 
                    repetition_penalty: float | None = None, seed: int = 0, stop: str | Sequence[str] = (),
                    thinking_budget: int | None = None, kv_dtype: str | None = None, max_context: int | None = None,
                    on_text: Callable[[int, str], None] | None = None,
-                   should_stop: Callable[[], bool] | None = None) -> list[GenerationResult]:
-    """Generates an answer for each prompt, decoding them together; as `generate`, with on_text(index, text)."""
+                   should_stop: Callable[[], bool] | None = None,
+                   shared_prefix: SharedPrefix | None = None) -> list[GenerationResult]:
+    """Generates an answer for each prompt, decoding them together; as `generate`, with on_text(index, text).
+    `shared_prefix` (prefill_prefix's, with tokens every prompt starts with) spares prefilling those tokens again."""
     if isinstance(prompts, (str, ChatPrompt, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
         raise PromptError("prompts must be a non-empty list of prompts (ChatPrompts from model.build_prompt, or "
                           f"token-id lists); got {type(prompts).__name__}.")
     return _run(model, list(prompts), max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                 top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
                 repetition_penalty=repetition_penalty, seed=seed, stop=stop, thinking_budget=thinking_budget,
-                kv_dtype=kv_dtype, max_context=max_context, on_text=on_text, should_stop=should_stop)
+                kv_dtype=kv_dtype, max_context=max_context, on_text=on_text, should_stop=should_stop,
+                shared_prefix=shared_prefix)
+
+
+@dataclass(eq=False)
+class SharedPrefix:
+    """Tokens that prompts start with, prefilled once: their cache (one row) for generate_batch to start from."""
+    model: A3BModel = field(repr=False)
+    ids: tuple[int, ...]
+    cache: object = field(repr=False)  # the model family's generation cache, holding exactly these tokens
+    kv_format: str
+
+
+def prefill_prefix(model: A3BModel, ids: Sequence[int], kv_dtype: str | None = None) -> SharedPrefix:
+    """Prefills `ids`, text that comes before any image (one row), for prompts that start with them. `kv_dtype` is
+    the cache format of the calls that will use it (None: the plan's)."""
+    model.require_loaded()
+    tokens = check_input_ids(list(ids), model.config.text.vocab_size)
+    if tokens.shape[0] != 1:
+        raise PromptError("the shared prefix must be one sequence of token ids; pass a 1-D list.")
+    if bool(model.vision_pads(tokens).any()):
+        raise PromptError("the shared prefix holds image or video pad tokens; it must end before the prompts' first "
+                          "image or clip (pass the tokens before it: model.text_before_images(prompt)).")
+    kv_format = _kv_format(model, kv_dtype)
+    with torch.inference_mode():
+        cache = model.new_cache(1, tokens.shape[1], kv_format)
+        position_ids, _ = model.positions(tokens, None)
+        model.prefill(tokens, None, cache, None, position_ids)
+    return SharedPrefix(model, tuple(tokens[0].tolist()), cache, kv_format)
+
+
+def _check_prefix(model: A3BModel, prefix: SharedPrefix, requests: list[_Request], kv_format: str) -> None:
+    if not isinstance(prefix, SharedPrefix) or prefix.model is not model:
+        raise GenerationError("shared_prefix must come from prefill_prefix with this same model; build it again "
+                              "with model.prefill_prefix(...) of the model that generates.")
+    if prefix.kv_format != kv_format:
+        raise GenerationError(f"the shared prefix was prefilled with kv_dtype {prefix.kv_format!r} but this call "
+                              f"uses {kv_format!r}; pass the calls' kv_dtype to prefill_prefix too.")
+    n = len(prefix.ids)
+    for number, request in enumerate(requests):
+        if len(request.ids) <= n or tuple(request.ids[:n]) != prefix.ids:
+            raise PromptError(f"prompt {number} does not start with the shared prefix's {n} tokens and continue "
+                              "after them; give shared_prefix only for prompts that all begin with its tokens.")
 
 
 # -------------------------------------------------------------------------------------------- inputs
@@ -145,8 +197,8 @@ def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed,
     if thinking_budget is not None:
         thinking_budget = _whole("thinking_budget", thinking_budget, 0, "Use None for no limit.")
     positions = model.config.text.max_position_embeddings
-    if max_context is None:  # the loader's plan sized memory for this context
-        max_context = min(positions, model.max_context)
+    if max_context is None:
+        max_context = default_context(model)
     max_context = _whole("max_context", max_context, 1, "Use None for the default.")
     if max_context > positions:
         raise GenerationError(f"max_context is {max_context} but the model supports {positions} positions "
@@ -168,6 +220,12 @@ def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed,
     sampling = resolve_sampling(modes.pop(), **sampler_values)
     return _Options(max_new_tokens, sampling, int(seed) % 2 ** 64, tuple(s for s in stops if s), thinking_budget,
                     _kv_format(model, kv_dtype), max_context)
+
+
+def default_context(model: A3BModel) -> int:
+    """The context a call gets without max_context: what the loader's plan sized memory for, within the model's
+    positions."""
+    return min(model.config.text.max_position_embeddings, model.max_context)
 
 
 def _kv_format(model: A3BModel, kv_dtype: str | None) -> str:
@@ -280,7 +338,8 @@ class SequenceOutput:
 # --------------------------------------------------------------------------------------------- the loop
 def _run(model: A3BModel, prompts: list, *, max_new_tokens, temperature, top_p, top_k, min_p, presence_penalty,
          repetition_penalty, seed, stop, thinking_budget, kv_dtype, max_context,
-         on_text: Callable[[int, str], None] | None, should_stop: Callable[[], bool] | None) -> list[GenerationResult]:
+         on_text: Callable[[int, str], None] | None, should_stop: Callable[[], bool] | None,
+         shared_prefix: SharedPrefix | None = None) -> list[GenerationResult]:
     model.require_loaded()
     where = (lambda i: "the prompt") if len(prompts) == 1 else (lambda i: f"prompt {i}")
     requests = [_request(model, p, where(i)) for i, p in enumerate(prompts)]
@@ -288,6 +347,8 @@ def _run(model: A3BModel, prompts: list, *, max_new_tokens, temperature, top_p, 
                     thinking_budget=thinking_budget, kv_dtype=kv_dtype, max_context=max_context,
                     temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                     presence_penalty=presence_penalty, repetition_penalty=repetition_penalty)
+    if shared_prefix is not None:
+        _check_prefix(model, shared_prefix, requests, opts.kv_dtype)
     # raw token ids can be generated without a tokenizer (token ids only, no text): benchmarks, bare checkpoints
     ids_only = model.tokenizer is None and not opts.stop and all(r.thinking is None for r in requests)
     tokenizer = None if ids_only else model.require_tokenizer()
@@ -304,7 +365,7 @@ def _run(model: A3BModel, prompts: list, *, max_new_tokens, temperature, top_p, 
         for batch in _batches(model, requests, opts):
             stream = None if on_text is None else (lambda i, text, batch=batch: on_text(batch[i], text))
             stats = _decode(model, [requests[i] for i in batch], [rows[i] for i in batch], opts, eos_ids, stream,
-                            should_stop or (lambda: False))
+                            should_stop or (lambda: False), shared_prefix)
             batch_stats.update(dict.fromkeys(batch, stats))
     results = []
     for index, (row, request) in enumerate(zip(rows, requests)):
@@ -327,7 +388,7 @@ def _batches(model: A3BModel, requests: list[_Request], opts: _Options) -> list[
 
 def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput], opts: _Options,
             eos_ids: frozenset[int], on_text: Callable[[int, str], None] | None,
-            should_stop: Callable[[], bool]) -> dict:
+            should_stop: Callable[[], bool], prefix: SharedPrefix | None) -> dict:
     device, text_cfg = model.device, model.config.text
     started = time.perf_counter()
     devices.reset_peak(device)
@@ -339,8 +400,7 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
     for b, request in enumerate(requests):
         ids[b, width - lengths[b]:] = torch.tensor(request.ids)
         mask[b, width - lengths[b]:] = 1
-    images = [r.images for r in requests if r.images is not None]
-    images = sum(images[1:], images[0]) if images else None
+    images = _images_of(requests)
     mask = mask if min(lengths) < width else None
     cache = model.new_cache(len(requests), width + opts.max_new_tokens, opts.kv_dtype)
     sampler = Sampler(opts.sampling, [r.ids for r in requests], text_cfg.vocab_size, device, opts.seed)
@@ -354,7 +414,10 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
     position_ids, deltas = model.positions(ids, images, mask)
     # a generated token at unpadded index n gets position n + delta; its cache index is n + (width - length)
     offsets = torch.tensor([n - width + d for n, d in zip(lengths, deltas)], device=device)
-    logits = model.prefill(ids, images, cache, mask, position_ids)
+    if prefix is None:
+        logits = model.prefill(ids, images, cache, mask, position_ids)
+    else:
+        logits = _prefill_after_prefix(model, prefix, requests, cache, position_ids, width)
     active = list(range(len(rows)))  # rows still in the batch, in batch order
     decoded = 0
     for step in range(opts.max_new_tokens):
@@ -388,6 +451,31 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
     decode_s = time.perf_counter() - started - stats["ttft_s"]
     stats["decode_tok_s"] = decoded / decode_s if decoded and decode_s > 0 else 0.0
     return stats | _peak_memory(device)
+
+
+def _images_of(requests: list[_Request]) -> EncodedImages | None:
+    """The requests' images, in order, as one EncodedImages (None when none has any)."""
+    images = [r.images for r in requests if r.images is not None]
+    return sum(images[1:], images[0]) if images else None
+
+
+def _prefill_after_prefix(model: A3BModel, prefix: SharedPrefix, requests: list[_Request], cache,
+                          position_ids: torch.Tensor, width: int) -> torch.Tensor:
+    """Prefills each prompt's tokens after the shared prefix into `cache`, each row placed where a left-padded prefill
+    of the whole prompts (`width` tokens, positions `position_ids`) puts it: consecutive rows with equally many such
+    tokens start together from copies of the prefix's cache, unpadded. Returns the last position's logits [B, V]."""
+    n = len(prefix.ids)
+    logits, first = [], 0
+    for length, group in itertools.groupby(len(r.ids) - n for r in requests):
+        end = first + len(list(group))
+        window = cache.window(slice(first, end), width - n - length)
+        window.start_from(prefix.cache)
+        ids = torch.tensor([r.ids[n:] for r in requests[first:end]])
+        logits.append(model.prefill(ids, _images_of(requests[first:end]), window, None,
+                                    position_ids[:, first:end, width - length:]))
+        first = end
+    cache.filled_through_windows(width)
+    return torch.cat(logits)
 
 
 def _non_finite_scores(model: A3BModel) -> CheckpointError:

@@ -236,14 +236,15 @@ def smart_resize(
 
 
 def resize_image(
-    img: Image.Image, size: int = 384, mode: str = "stretch", fill: tuple[int, int, int] = (0, 0, 0)
+    img: Image.Image, size: int = 384, mode: str = "stretch", fill: tuple[int, int, int] = (0, 0, 0),
+    max_pixels: int = PROCESSOR_MAX_PIXELS
 ) -> Image.Image:
     """Resize with PIL bicubic: stretch to size x size, letterbox (fit and pad with `fill`), crop (cover and
-    centre-crop) or native (smart_resize of the original size; `size` is ignored)."""
+    centre-crop) or native (smart_resize of the original size within `max_pixels`; `size` is ignored)."""
     if mode not in RESIZE_MODES:
         raise ImageError(f"Unknown resize mode {mode!r}; use one of {', '.join(RESIZE_MODES)}.")
     if mode == "native":
-        height, width = smart_resize(img.height, img.width)
+        height, width = smart_resize(img.height, img.width, max_pixels=min(max_pixels, PROCESSOR_MAX_PIXELS))
         return img.resize((width, height), Image.Resampling.BICUBIC)
     if not isinstance(size, int) or size <= 0 or size % 32:
         lower = max(32, size // 32 * 32) if isinstance(size, int) else 384
@@ -301,10 +302,12 @@ def preprocess(
     patch_size: int = 16,
     temporal_patch_size: int = 2,
     merge_size: int = 2,
+    max_pixels: int = PROCESSOR_MAX_PIXELS,
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
     """One image -> (pixel_values, grid): load_image -> resize_image -> to_patches."""
     img = load_image(src, background=background, srgb=srgb)
-    return to_patches(resize_image(img, size, mode), patch_size, temporal_patch_size, merge_size)
+    return to_patches(resize_image(img, size, mode, max_pixels=max_pixels), patch_size, temporal_patch_size,
+                      merge_size)
 
 
 def preprocess_images(

@@ -3,11 +3,21 @@ ids."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from .errors import PromptError
 from .prompt import MediaTokens, Prompt, VideoTokens
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """What an encoded image was made from, so it can be encoded again at another size."""
+    image: Any  # as given to encode_images: a path, PIL image, array or [H, W, C] tensor
+    resize: str
+    srgb: bool
+    background: tuple[int, int, int]
 
 
 @dataclass
@@ -17,6 +27,7 @@ class EncodedImages:
     embeds: list[torch.Tensor]  # per item [tokens, hidden]
     grids: list[tuple[int, int, int]]  # per item (t, gh, gw) in patches: t is 1 for an image, a video's frame groups
     timestamps: list[tuple[float, ...] | None] = field(default_factory=list)  # per item: a video's, None for an image
+    sources: list[ImageSource] | None = None  # per item, when all are images encode_images made (it keeps them)
 
     def __post_init__(self) -> None:
         if not self.timestamps:
@@ -28,10 +39,13 @@ class EncodedImages:
     def __getitem__(self, index: int | slice) -> "EncodedImages":
         if isinstance(index, int):
             index = slice(index, index + 1 if index != -1 else None)
-        return EncodedImages(self.embeds[index], self.grids[index], self.timestamps[index])
+        return EncodedImages(self.embeds[index], self.grids[index], self.timestamps[index],
+                             self.sources[index] if self.sources is not None else None)
 
     def __add__(self, other: "EncodedImages") -> "EncodedImages":
-        return EncodedImages(self.embeds + other.embeds, self.grids + other.grids, self.timestamps + other.timestamps)
+        known = self.sources is not None and other.sources is not None
+        return EncodedImages(self.embeds + other.embeds, self.grids + other.grids, self.timestamps + other.timestamps,
+                             self.sources + other.sources if known else None)
 
     @property
     def token_counts(self) -> list[int]:

@@ -10,7 +10,12 @@ system is fed token ids.
 A second folder holds the same weights in the official FP8 release layout (per-expert e4m3 experts, 128x128 block
 scales), for our engine's FP8-stored experts.
 
-    python bench/bench_model.py [--small] [--fp8]     # writes (if absent) and prints the folder
+A third, for image benchmarks, is the same text model under a vision tower: the release's tower shape per block
+(hidden 1152, 16 heads, MLP 4304, patch 16, merge 2) but VISION_BLOCKS blocks, randomly initialised, in the
+Qwen3_5MoeForConditionalGeneration layout, with the demo model's tokenizer (whose ids fit the vocabulary) so captions
+can be asked for in text.
+
+    python bench/bench_model.py [--small] [--fp8 | --vision]     # writes (if absent) and prints the folder
 """
 from __future__ import annotations
 
@@ -39,6 +44,11 @@ TEXT_CONFIG = dict(
 # A quick stand-in of the same family, to check the bench end to end in a few minutes (numbers mean nothing).
 SMALL_CHANGES = dict(num_hidden_layers=4, num_experts=16, hidden_size=512, moe_intermediate_size=256,
                      shared_expert_intermediate_size=256)
+# Qwen3.5-35B-A3B's vision tower, per block; the bench tower has few blocks (images cost mostly the text model)
+VISION_CONFIG = dict(hidden_size=1152, num_heads=16, intermediate_size=4304, patch_size=16, temporal_patch_size=2,
+                     spatial_merge_size=2, num_position_embeddings=2304, in_channels=3, hidden_act="gelu_pytorch_tanh",
+                     deepstack_visual_indexes=[], initializer_range=0.02)
+VISION_BLOCKS = 2
 FP32_IN_RELEASE = re.compile(r"linear_attn\.(A_log|norm\.weight)$")
 # The official FP8 release: per-expert e4m3 experts with bf16 block scales; these matrices e4m3 with fp32
 # scales; everything else as in the BF16 release.
@@ -74,9 +84,52 @@ def bench_model_dir(small: bool = False, fp8: bool = False) -> Path:
     return fp8_folder
 
 
-def checkpoint_folder(small: bool = False, fp8: bool = False) -> Path:
+def vision_model_dir(small: bool = False) -> Path:
+    """The text checkpoint under a random vision tower (see the module's docstring), written on first use."""
+    text = bench_model_dir(small)
+    folder = text.with_name(text.name + "-vision")
+    if not (folder / "model.safetensors").is_file():
+        write_vision_checkpoint(text, folder)
+    return folder
+
+
+def write_vision_checkpoint(text: Path, folder: Path, seed: int = 0) -> None:
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeVisionConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeVisionModel
+
+    demo = Path(__file__).resolve().parent.parent / "a3b_core" / "demo" / "a3b-demo"
+    print(f"[bench] writing the benchmark checkpoint with a vision tower to {folder}", flush=True)
+    text_config = json.loads((text / "config.json").read_text())
+    demo_config = json.loads((demo / "config.json").read_text())
+    text_config["eos_token_id"] = demo_config["text_config"]["eos_token_id"]  # the demo tokenizer's end tokens
+    vision_values = {**VISION_CONFIG, "depth": VISION_BLOCKS, "out_hidden_size": text_config["hidden_size"]}
+    torch.manual_seed(seed)
+    vision = Qwen3_5MoeVisionModel(Qwen3_5MoeVisionConfig(**vision_values)).to(torch.bfloat16)
+    tensors = {f"model.visual.{name}": value.detach().contiguous() for name, value in vision.state_dict().items()}
+    with safe_open(text / "model.safetensors", framework="pt") as reader:
+        for name in reader.keys():
+            tensors[name if name.startswith("lm_head.") else "model.language_model." + name.removeprefix("model.")] \
+                = reader.get_tensor(name)
+    config = {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+              "tie_word_embeddings": False, "text_config": text_config,
+              "vision_config": {"model_type": "qwen3_5_moe_vision", **vision_values},
+              **{key: demo_config[key] for key in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                                    "vision_end_token_id")}}
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    (partial / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.copyfile(demo / "tokenizer.json", partial / "tokenizer.json")
+    save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+    publish(partial, folder)
+
+
+def checkpoint_folder(small: bool = False, fp8: bool = False, vision: bool = False) -> Path:
     """bench_model_dir in a child process: building the model takes gigabytes this process should never hold."""
-    flags = (["--small"] if small else []) + (["--fp8"] if fp8 else [])
+    flags = (["--small"] if small else []) + (["--fp8"] if fp8 else []) + (["--vision"] if vision else [])
     out = subprocess.run([sys.executable, __file__, *flags], check=True, stdout=subprocess.PIPE, text=True).stdout
     return Path(out.strip().splitlines()[-1])
 
@@ -159,9 +212,11 @@ def main() -> None:
     """Writes the checkpoint (in its own process, so the parent bench stays small: children inherit its peak RSS)."""
     parser = argparse.ArgumentParser(description="Writes the benchmark checkpoint into the bench cache.")
     parser.add_argument("--small", action="store_true")
-    parser.add_argument("--fp8", action="store_true", help="the FP8-layout copy")
+    layout = parser.add_mutually_exclusive_group()
+    layout.add_argument("--fp8", action="store_true", help="the FP8-layout copy")
+    layout.add_argument("--vision", action="store_true", help="the copy under a vision tower")
     args = parser.parse_args()
-    print(bench_model_dir(args.small, args.fp8))
+    print(vision_model_dir(args.small) if args.vision else bench_model_dir(args.small, args.fp8))
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from a3b_core.context_fit import fit_to_context
+from a3b_core.engine import A3BModel
 from a3b_core.errors import PromptError
 from a3b_core.prompt import Turn
 
@@ -41,14 +43,25 @@ class PromptSpec:
 
 def build_prompts(model: Any, spec: PromptSpec, mode: str) -> list[Any]:
     """Engine prompts for one generation call: one prompt in single mode, one per image or clip in per-image mode."""
+    return [prompt for prompt, _ in _prompts(model, spec, mode, None)]
+
+
+def fitted_prompts(model: Any, spec: PromptSpec, mode: str, max_new_tokens: int) -> tuple[list[Any], str]:
+    """build_prompts, with the images of a local model's prompt that would not fit the context together with
+    `max_new_tokens` encoded again at a size at which they fit; and a line saying so ("" when none was)."""
+    built = _prompts(model, spec, mode, max_new_tokens)
+    return [prompt for prompt, _ in built], " · ".join(dict.fromkeys(note for _, note in built if note))
+
+
+def _prompts(model: Any, spec: PromptSpec, mode: str, max_new_tokens: int | None) -> list[tuple[Any, str]]:
     if mode == SINGLE:
-        return [_build(model, spec, spec.images)]
+        return [_build(model, spec, spec.images, max_new_tokens)]
     if mode != PER_IMAGE:
         raise PromptError(f"mode {mode!r} is not one of {MODES}.")
     if not spec.image_count:
         raise PromptError("mode 'per image' needs images or clips, but the prompt has none. Connect an A3B Image "
                           "Encode or A3B Video Encode node to the prompt's 'images' input, or switch mode to 'single'.")
-    return [_build(model, spec, spec.images[index]) for index in range(spec.image_count)]
+    return [_build(model, spec, spec.images[index], max_new_tokens) for index in range(spec.image_count)]
 
 
 def _joined(first: Any, second: Any) -> Any:
@@ -57,6 +70,15 @@ def _joined(first: Any, second: Any) -> Any:
     return first if second is None else first + second
 
 
-def _build(model: Any, spec: PromptSpec, images: Any) -> Any:
-    return model.build_prompt(user=spec.user, system=spec.system, images=_joined(spec.history_images, images),
-                              thinking=spec.thinking, history=spec.history)
+def _build(model: Any, spec: PromptSpec, images: Any, max_new_tokens: int | None) -> tuple[Any, str]:
+    """The prompt and, when its images were shrunk to fit the context, a line saying so. Only a local model knows its
+    context; a remote server reports an overflow itself."""
+    joined = _joined(spec.history_images, images)
+
+    def prompt_for(encoded: Any) -> Any:
+        return model.build_prompt(user=spec.user, system=spec.system, images=encoded, thinking=spec.thinking,
+                                  history=spec.history)
+
+    if max_new_tokens is None or joined is None or not isinstance(model, A3BModel):
+        return prompt_for(joined), ""
+    return fit_to_context(model, prompt_for, joined, max_new_tokens)

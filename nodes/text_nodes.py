@@ -11,7 +11,7 @@ from .generation import generate_answers, speed_line
 from .image_batch import encode_image_batch
 from .live_text import LiveText
 from .model_handle import A3BModelHandle
-from .prompt_spec import MODES, SINGLE, PromptSpec, build_prompts
+from .prompt_spec import MODES, SINGLE, PromptSpec, fitted_prompts
 from .wires import ImagesWire, ModelWire, PromptWire
 
 CATEGORY = "A3B"
@@ -145,7 +145,7 @@ class A3BGenerate(io.ComfyNode):
                 seed: int, thinking_budget: int = 0) -> io.NodeOutput:
         bridge.raise_if_interrupted()
         engine = model.acquire()
-        prompts = build_prompts(engine, prompt, mode)
+        prompts, fitted = fitted_prompts(engine, prompt, mode, max_new_tokens)
         node_id = cls.hidden.unique_id
         live = LiveText(len(prompts), lambda text: bridge.send_text(node_id, text))
         progress = bridge.Progress(max_new_tokens * len(prompts))
@@ -165,6 +165,6 @@ class A3BGenerate(io.ComfyNode):
         answers = [result.text for result in results]
         live.finish(answers)
         progress.set(max_new_tokens * len(prompts))
-        speed = speed_line([result.stats for result in results])
+        speed = " · ".join(part for part in (fitted, speed_line([result.stats for result in results])) if part)
         return io.NodeOutput(answers, [result.reasoning for result in results],
                              ui={"a3b_answer": answers, "a3b_speed": [speed]})

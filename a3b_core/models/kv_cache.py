@@ -12,6 +12,7 @@ standard deviation of the fp32-cache logits (1.0% measured on the test models; r
 """
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable
 
 import torch
@@ -24,7 +25,10 @@ INT8_MAX = 127
 
 class KVCache:
     """Keys and values of the `layers` (decoder layer indices with attention), the padding mask and the length. A
-    family whose layers keep other state derives from it and adds its buffers to `row_buffers`."""
+    family whose layers keep other state derives from it and names those per-layer buffers in STATE_BUFFERS."""
+
+    TOKEN_BUFFERS = ("keys", "values", "key_scales", "value_scales")  # per-layer dicts of [B, heads, max_len, ...]
+    STATE_BUFFERS: tuple[str, ...] = ()  # per-layer dicts of [B, ...] state that has no token axis
 
     def __init__(self, layers: Iterable[int], num_kv_heads: int, head_dim: int, batch: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", kv_dtype: str | None = None):
@@ -51,9 +55,17 @@ class KVCache:
             if store != dtype and self.keys else ()
 
     @property
+    def token_buffers(self) -> tuple[dict[int, torch.Tensor], ...]:
+        return tuple(getattr(self, name) for name in self.TOKEN_BUFFERS)
+
+    @property
+    def state_buffers(self) -> tuple[dict[int, torch.Tensor], ...]:
+        return tuple(getattr(self, name) for name in self.STATE_BUFFERS)
+
+    @property
     def row_buffers(self) -> tuple[dict[int, torch.Tensor], ...]:
         """Every per-layer buffer whose first dimension is the batch row."""
-        return self.keys, self.values, self.key_scales, self.value_scales
+        return self.token_buffers + self.state_buffers
 
     def _check_room(self, t: int) -> None:
         if self.length + t > self.max_len:
@@ -93,6 +105,39 @@ class KVCache:
 
     def advance(self, t: int) -> None:
         self.length += t
+
+    def window(self, rows: slice, start: int) -> KVCache:
+        """An empty cache over rows `rows` of this one, whose token 0 is this one's token `start`, sharing its memory:
+        what is generated into the window lands in those rows from `start` on (the tokens before stay padding)."""
+        window = copy.copy(self)
+        window.max_len, window.length, window.padded = self.max_len - start, 0, False
+        window.mask = self.mask[rows, start:]
+        for name in self.TOKEN_BUFFERS:
+            setattr(window, name, {layer: buffer[rows, :, start:] for layer, buffer in getattr(self, name).items()})
+        for name in self.STATE_BUFFERS:
+            setattr(window, name, {layer: buffer[rows] for layer, buffer in getattr(self, name).items()})
+        window.scratch = tuple(buffer[rows, :, start:] for buffer in self.scratch)
+        return window
+
+    def start_from(self, source: KVCache) -> None:
+        """Starts this empty cache from what `source` (one row, or as many as this cache, the same kind and format)
+        holds: its cached tokens and its state, in every row."""
+        n = source.length
+        self._check_room(n)
+        for mine, theirs in zip(self.token_buffers, source.token_buffers):
+            for layer, buffer in theirs.items():
+                mine[layer][:, :, :n] = buffer[:, :, :n]
+        for mine, theirs in zip(self.state_buffers, source.state_buffers):
+            for layer, buffer in theirs.items():
+                mine[layer].copy_(buffer.expand_as(mine[layer]))
+        self.mask[:, :n] = source.mask[:, :n]
+        self.padded = source.padded
+        self.length = n
+
+    def filled_through_windows(self, length: int) -> None:
+        """Takes the first `length` tokens as written (through windows); rows whose mask is False there are padded."""
+        self.length = length
+        self.padded = not bool(self.mask[:, :length].all())
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Drops the other batch rows (finished sequences): keeps `rows`, indices into the current batch, in order.

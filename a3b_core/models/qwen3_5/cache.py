@@ -9,6 +9,8 @@ from .config import TextConfig
 
 
 class Cache(KVCache):
+    STATE_BUFFERS = ("conv", "state")
+
     def __init__(self, cfg: TextConfig, batch: int, max_len: int, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu", kv_dtype: str | None = None):
         full = [layer for layer, kind in enumerate(cfg.layer_types) if kind == "full_attention"]
@@ -22,10 +24,6 @@ class Cache(KVCache):
                 self.conv[layer] = torch.zeros(batch, cfg.linear_conv_kernel_dim - 1, conv_dim, device=device)
                 self.state[layer] = torch.zeros(batch, cfg.linear_num_value_heads, cfg.linear_key_head_dim,
                                                 cfg.linear_value_head_dim, device=device)
-
-    @property
-    def row_buffers(self) -> tuple[dict[int, torch.Tensor], ...]:
-        return (*super().row_buffers, self.conv, self.state)
 
     def conv_state(self, layer: int) -> torch.Tensor:
         return self.conv[layer]
