@@ -111,8 +111,10 @@ def load_experts(ckpt: Checkpoint, base: str, cfg: Any, which: str, dtype: torch
     if info is not None and info.dtype not in FP8_DTYPES:  # FP8 ones are dequantised expert by expert, below
         if info.shape == shape:
             return ckpt.weight(fused, dtype)
-        if info.shape == (e, shape[2], shape[1]):  # stored transposed
-            return ckpt.raw(fused).transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+        if info.shape == (e, shape[2], shape[1]):  # stored transposed: copied into the layout the products read
+            out = torch.empty(shape, dtype=dtype).copy_(ckpt.raw(fused).transpose(1, 2))
+            ckpt.release(fused)
+            return out
     out = torch.empty(shape, dtype=dtype)
     for j in range(e):
         out[j] = expert_matrix(ckpt, base, cfg, which, j).to(dtype)
