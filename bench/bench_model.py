@@ -13,9 +13,11 @@ scales), for our engine's FP8-stored experts.
 `--family qwen3_vl_moe` writes a Qwen3-VL-MoE text model of the same size class instead (1.7 B parameters, ~0.28 B
 active: the same hidden size, layers, experts and attention heads, every layer full attention, no shared expert), as
 the official BF16 release stores it: `Qwen3VLMoeForConditionalGeneration` names (`model.language_model.*`), fused
-experts transposed (`gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`), everything bf16. It has no vision tower: the
-bench feeds token ids only. Our engine alone runs it (bench/speed.py --vl), to compare the two families per active
-parameter.
+experts transposed (`gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`), everything bf16. Its hidden size is twice the
+expert size, as in the Qwen3.5 bench, so `gate_up_proj` is square per expert and loaders (ours and transformers alike)
+read it as not transposed: random weights of one distribution either way, so speeds are unaffected. It has no vision
+tower: the bench feeds token ids only. Our engine alone runs it (bench/speed.py --vl), to compare the two families per
+active parameter.
 
     python bench/bench_model.py [--small] [--fp8] [--family qwen3_vl_moe]   # writes (if absent), prints the folder
 """
