@@ -234,7 +234,7 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="the FP8-layout copy (Qwen3.5 only)")
     parser.add_argument("--family", choices=FAMILIES, default=FAMILIES[0])
     args = parser.parse_args()
-    if args.family == "qwen3_vl_moe":
+    if args.family == FAMILIES[1]:
         if args.fp8:
             parser.error("--fp8: the Qwen3-VL-MoE bench model has no FP8 copy")
         print(vl_bench_model_dir(args.small))
