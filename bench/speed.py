@@ -240,6 +240,8 @@ def per_parameter_report(timed: list[System]) -> list[str]:
     by_name = {s.name: s for s in timed}
     pairs = [(s, by_name[s.name.replace(VL_MARK, " ", 1)]) for s in timed
              if VL_MARK in s.name and s.name.replace(VL_MARK, " ", 1) in by_name]
+    # an engine from before active_params was reported (a --baseline commit) cannot be compared this way
+    pairs = [(vl, qwen35) for vl, qwen35 in pairs if all("active_params" in s.runs[0] for s in (vl, qwen35))]
     if not pairs:
         return []
     lines = ["", "per active parameter, Qwen3-VL-MoE / Qwen3.5-MoE (tok/s x active parameters; active: the embedding "
