@@ -188,6 +188,14 @@ class Checkpoint:
         self.release(name)
         return out
 
+    def weight_at(self, name: str, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Matrix `index` of a stacked tensor [N, rows, cols] (fused experts) in `dtype`; FP8 is dequantised with the
+        same matrix of its stacked block scales [N, rows / block, cols / block]."""
+        q = self.raw(name)[index]
+        if q.dtype in FP8_DTYPES:
+            return dequantize_fp8(q, self._fp8_scale(name)[index], name, self.fp8_block, dtype)
+        return q.to(dtype)
+
     def release(self, name: str) -> None:
         """Drops the mapped pages of a tensor that was copied out, so converting a checkpoint never holds the file
         and its converted copy in memory together (the pages are read again if the tensor is used again)."""

@@ -15,7 +15,16 @@ A third, for image benchmarks, is the same text model under a vision tower: the 
 Qwen3_5MoeForConditionalGeneration layout, with the demo model's tokenizer (whose ids fit the vocabulary) so captions
 can be asked for in text.
 
-    python bench/bench_model.py [--small] [--fp8 | --vision]     # writes (if absent) and prints the folder
+`--family qwen3_vl_moe` writes a Qwen3-VL-MoE text model of the same size class instead (1.7 B parameters, ~0.28 B
+active: the same hidden size, layers, experts and attention heads, every layer full attention, no shared expert), as
+the official BF16 release stores it: `Qwen3VLMoeForConditionalGeneration` names (`model.language_model.*`), fused
+experts transposed (`gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`), everything bf16. Its hidden size is twice the
+expert size, as in the Qwen3.5 bench, so `gate_up_proj` is square per expert and loaders (ours and transformers alike)
+read it as not transposed: random weights of one distribution either way, so speeds are unaffected. It has no vision
+tower: the bench feeds token ids only. Our engine alone runs it (bench/speed.py --vl), to compare the two families per
+active parameter.
+
+    python bench/bench_model.py [--small] [--fp8 | --vision] [--family qwen3_vl_moe]   # writes (if absent), prints it
 """
 from __future__ import annotations
 
@@ -49,6 +58,19 @@ VISION_CONFIG = dict(hidden_size=1152, num_heads=16, intermediate_size=4304, pat
                      spatial_merge_size=2, num_position_embeddings=2304, in_channels=3, hidden_act="gelu_pytorch_tanh",
                      deepstack_visual_indexes=[], initializer_range=0.02)
 VISION_BLOCKS = 2
+# The Qwen3-VL-MoE bench: Qwen3.5's sizes where the families share a field, Qwen3-VL's own rotary (every channel
+# rotated, theta and sections of the release)
+VL_TEXT_CONFIG = dict(
+    vocab_size=32000, hidden_size=1024, num_hidden_layers=16, num_attention_heads=8, num_key_value_heads=2,
+    head_dim=128, rope_parameters=dict(rope_type="default", rope_theta=5_000_000.0, mrope_section=[24, 20, 20],
+                                       mrope_interleaved=True),
+    num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, decoder_sparse_step=1, mlp_only_layers=[],
+    tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=262144, bos_token_id=1,
+    eos_token_id=EOS_TOKEN_ID,
+)
+# The smallest vision tower transformers builds; its weights are dropped (the bench model has none)
+VL_BUILD_VISION = dict(depth=1, hidden_size=64, num_heads=2, intermediate_size=128, deepstack_visual_indexes=[])
+FAMILIES = ("qwen3_5_moe", "qwen3_vl_moe")
 FP32_IN_RELEASE = re.compile(r"linear_attn\.(A_log|norm\.weight)$")
 # The official FP8 release: per-expert e4m3 experts with bf16 block scales; these matrices e4m3 with fp32
 # scales; everything else as in the BF16 release.
@@ -127,9 +149,12 @@ def write_vision_checkpoint(text: Path, folder: Path, seed: int = 0) -> None:
     publish(partial, folder)
 
 
-def checkpoint_folder(small: bool = False, fp8: bool = False, vision: bool = False) -> Path:
-    """bench_model_dir in a child process: building the model takes gigabytes this process should never hold."""
-    flags = (["--small"] if small else []) + (["--fp8"] if fp8 else []) + (["--vision"] if vision else [])
+def checkpoint_folder(small: bool = False, fp8: bool = False, vision: bool = False,
+                      family: str = FAMILIES[0]) -> Path:
+    """bench_model_dir (or vision_model_dir, or vl_bench_model_dir) in a child process: building the model takes
+    gigabytes this process should never hold."""
+    flags = ((["--small"] if small else []) + (["--fp8"] if fp8 else []) + (["--vision"] if vision else [])
+             + ["--family", family])
     out = subprocess.run([sys.executable, __file__, *flags], check=True, stdout=subprocess.PIPE, text=True).stdout
     return Path(out.strip().splitlines()[-1])
 
@@ -156,6 +181,55 @@ def write_checkpoint(folder: Path, config_values: dict, seed: int = 0) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     config.to_json_file(str(partial / "config.json"))
+    save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
+    publish(partial, folder)
+
+
+def vl_text_config(small: bool = False) -> dict:
+    return {**VL_TEXT_CONFIG, **({k: v for k, v in SMALL_CHANGES.items() if k in VL_TEXT_CONFIG} if small else {})}
+
+
+def vl_bench_model_dir(small: bool = False) -> Path:
+    """The Qwen3-VL-MoE bench checkpoint folder, written on first use (3.4 GB for the full model)."""
+    folder = bench_dir() / f"qwen3vlmoe-bench-{'small' if small else '1.7b'}-v{BENCH_LAYOUT_VERSION}"
+    if not (folder / "model.safetensors").is_file():
+        write_vl_checkpoint(folder, vl_text_config(small))
+    return folder
+
+
+def write_vl_checkpoint(folder: Path, text_values: dict, seed: int = 0) -> None:
+    """A random Qwen3-VL-MoE text model in the BF16 release's layout: transformers holds fused experts as
+    [E, 2I, H] and [E, H, I], the release stores them transposed (transformers' loader transposes them back)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    print(f"[bench] writing the random Qwen3-VL-MoE benchmark checkpoint to {folder}", flush=True)
+    vision = {**VL_BUILD_VISION, "out_hidden_size": text_values["hidden_size"]}
+    config = Qwen3VLMoeConfig(text_config=text_values, vision_config=vision, tie_word_embeddings=False)
+    config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        model = Qwen3VLMoeForConditionalGeneration(config)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    tensors = {}
+    for name, value in model.state_dict().items():
+        if name.startswith("model.visual."):
+            continue
+        value = value.detach().to(torch.bfloat16)
+        tensors[name] = (value.transpose(1, 2) if FUSED_EXPERTS.match(name) else value).contiguous()
+    del model
+    raw = config.to_dict()
+    del raw["vision_config"]  # no vision weights: a vision_config would describe a tower that is not there
+    text = raw["text_config"]
+    text["num_experts"] = text.pop("num_local_experts")  # the releases' spelling
+    partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    (partial / "config.json").write_text(json.dumps(raw, indent=2))
     save_file(tensors, partial / "model.safetensors", metadata={"format": "pt"})
     publish(partial, folder)
 
@@ -213,10 +287,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Writes the benchmark checkpoint into the bench cache.")
     parser.add_argument("--small", action="store_true")
     layout = parser.add_mutually_exclusive_group()
-    layout.add_argument("--fp8", action="store_true", help="the FP8-layout copy")
-    layout.add_argument("--vision", action="store_true", help="the copy under a vision tower")
+    layout.add_argument("--fp8", action="store_true", help="the FP8-layout copy (Qwen3.5 only)")
+    layout.add_argument("--vision", action="store_true", help="the copy under a vision tower (Qwen3.5 only)")
+    parser.add_argument("--family", choices=FAMILIES, default=FAMILIES[0])
     args = parser.parse_args()
-    print(vision_model_dir(args.small) if args.vision else bench_model_dir(args.small, args.fp8))
+    if args.family == FAMILIES[1]:
+        if args.fp8 or args.vision:
+            parser.error("--fp8 and --vision: the Qwen3-VL-MoE bench model has neither copy")
+        print(vl_bench_model_dir(args.small))
+    else:
+        print(vision_model_dir(args.small) if args.vision else bench_model_dir(args.small, args.fp8))
 
 
 if __name__ == "__main__":

@@ -2,13 +2,14 @@
 
 Per decoded token a model reads every dense weight once, the routed experts of its top-k choices (on average
 top_k / num_experts of each expert tensor) and one row of the token embedding. Dividing those bytes by the measured
-bandwidth gives the fastest decode the memory allows; each system's decode speed is quoted as a fraction of it.
+bandwidth gives the fastest decode the memory allows; each system's decode speed is quoted as a fraction of it. The same
+count in parameters (active_params) puts two model families on one scale.
 """
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -64,6 +65,20 @@ def torch_bytes_per_token(module: torch.nn.Module, top_k: int, num_experts: int,
     return tensor_bytes_per_token(tensors, top_k, num_experts, vocab_size,
                                   is_expert=lambda n: ".mlp.experts." in n,
                                   is_embedding=lambda n: "embed_tokens" in n)
+
+
+def active_params(text_model: Callable[[Any], torch.nn.Module], text_config: Any) -> int:
+    """Parameters one token's forward pass reads, exactly, from the config alone (the family's text model built on
+    the meta device): every matrix, norm, DeltaNet and router parameter and the LM head whole, the routed experts'
+    top_k / num_experts, and of the token embedding the one row a token looks up (hidden_size parameters: the table
+    itself is not counted)."""
+    import torch
+
+    with torch.device("meta"):
+        module = text_model(text_config)
+    return tensor_bytes_per_token(((name, p.numel()) for name, p in module.named_parameters()),
+                                  text_config.num_experts_per_tok, text_config.num_experts, text_config.vocab_size,
+                                  is_expert=lambda n: ".mlp.experts." in n, is_embedding=lambda n: "embed_tokens" in n)
 
 
 def gguf_bytes_per_token(tensors: Iterable[tuple[str, int]], top_k: int, num_experts: int, vocab_size: int) -> int:

@@ -4,6 +4,7 @@
     python bench/speed.py --no-llama --no-transformers --quick
     python bench/speed.py --profile --ours bf16      # torch.profiler's top ops of our decode
     python bench/speed.py --no-llama --no-transformers --ours bf16,bf16+int8 --baseline HEAD~3   # a change's cost
+    python bench/speed.py --no-llama --no-transformers --ours bf16 --vl   # Qwen3-VL-MoE vs Qwen3.5 per parameter
 
 All systems run the same random-weight checkpoint (bench_model.py: Qwen3.5-MoE text, 1.8 B parameters, 64 experts
 top-8) on the same thread count, each measurement in its own process (so peak RSS is that system's), in rounds that
@@ -12,6 +13,9 @@ medians over the rounds, the largest peak RSS, and ratios between every system o
 Decode: `--decode` greedy tokens at batch 1 from a 1-token prompt; prefill: one `--prefill`-token prompt; llama.cpp
 runs llama-bench's pp/tg tests with the same sizes. Roofline: the weight bytes a decoded token reads divided by the
 memory bandwidth measured here (1 GiB fp32 sum, best of every round); '% roofline' is decode / that bound.
+With --vl, our engine also runs each configuration on the Qwen3-VL-MoE bench model (same size class, every layer
+full attention, no shared expert) in the same rounds, and the report compares the two families per active parameter:
+tok/s x the parameters a token reads (roofline.active_params: the embedding table excluded, the LM head included).
 Outputs (checkpoint, GGUF files, llama.cpp build, converted experts, results JSON) go to $A3B_BENCH_DIR
 (default ~/.cache/a3b-bench).
 """
@@ -33,7 +37,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repository root: bench.*, a3b_core
 
 from bench import llama  # noqa: E402
-from bench.bench_model import bench_dir, checkpoint_folder, text_config  # noqa: E402
+from bench.bench_model import FAMILIES, bench_dir, checkpoint_folder, text_config  # noqa: E402
 from bench.roofline import gguf_bytes_per_token  # noqa: E402
 
 DEMO_MODEL = HERE.parent / "a3b_core" / "demo" / "a3b-demo" / "config.json"
@@ -41,6 +45,8 @@ COMPUTE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 DEFAULT_OURS = "fp32,bf16,bf16+fp8,bf16+int8,bf16+int4"
 SETTINGS = ("threads", "rounds", "prefill", "decode")  # what a saved results file needs for its report
 GB = 1e9
+VL_MARK = " vl "  # in a system's name: our engine on the Qwen3-VL-MoE bench model ("ours vl bf16")
+PER_PARAMETER_TOLERANCE = 0.10  # Qwen3-VL-MoE may be at most this much slower per active parameter than Qwen3.5
 
 
 @dataclass
@@ -90,9 +96,10 @@ def ours_spec(spec: str) -> tuple[str, str]:
     return COMPUTE_DTYPES[compute], experts or compute
 
 
-def ours_command(args, spec: str, mode: str, *options: str, tree: Path = HERE.parent) -> list[str]:
+def ours_command(args, spec: str, mode: str, *options: str, tree: Path = HERE.parent,
+                 family: str = FAMILIES[0]) -> list[str]:
     dtype, experts = ours_spec(spec)
-    model_dir = checkpoint_folder(args.small, fp8=experts == "fp8")
+    model_dir = checkpoint_folder(args.small, fp8=experts == "fp8", family=family)
     return worker(args.threads, mode, "--model", str(model_dir), "--dtype", dtype, "--format", experts, *options,
                   tree=tree)
 
@@ -115,15 +122,25 @@ def engine_tree(revision: str) -> Path:
     return tree
 
 
+def vl_runs(args, spec: str) -> bool:
+    """Whether --vl runs this configuration on the Qwen3-VL-MoE bench model too (which has no FP8 copy)."""
+    if args.vl and ours_spec(spec)[1] == "fp8":
+        print(f"[bench] --vl: ours {spec} runs on Qwen3.5 only (the Qwen3-VL-MoE bench model has no FP8 copy)")
+    return args.vl and ours_spec(spec)[1] != "fp8"
+
+
 def build_systems(args, model_dir: Path) -> list[System]:
     sizes = ["--prefill", str(args.prefill), "--decode", str(args.decode)]
     systems = []
     baselines = {revision: engine_tree(revision) for revision in args.baseline.split(",") if revision}
     for spec in args.ours.split(","):
-        systems.append(System(f"ours {spec}", ours_command(args, spec, "ours", *sizes), worker_result))
-        for revision, tree in baselines.items():  # the same configuration, run by another commit's engine
-            systems.append(System(f"ours@{revision} {spec}", ours_command(args, spec, "ours", *sizes, tree=tree),
+        for mark, family in [("", FAMILIES[0])] + ([(VL_MARK.lstrip(), FAMILIES[1])] if vl_runs(args, spec) else []):
+            systems.append(System(f"ours {mark}{spec}", ours_command(args, spec, "ours", *sizes, family=family),
                                   worker_result))
+            for revision, tree in baselines.items():  # the same configuration, run by another commit's engine
+                systems.append(System(f"ours@{revision} {mark}{spec}",
+                                      ours_command(args, spec, "ours", *sizes, tree=tree, family=family),
+                                      worker_result))
     if not args.no_transformers:
         for name in ("fp32", "bf16"):
             command = worker(args.threads, "transformers", "--model", str(model_dir), "--dtype",
@@ -220,13 +237,42 @@ def report(systems: list[System], bandwidths: list[float], heading: str, args) -
         for s in timed:
             if s.name.startswith("ours"):
                 lines.append(f"| {s.name} | " + " | ".join(fmt(value(s) / value(o)) for o in timed) + " |")
-    return "\n".join(lines)
+    return "\n".join(lines + per_parameter_report(timed))
+
+
+def per_parameter_report(timed: list[System]) -> list[str]:
+    """Each of our systems on the Qwen3-VL-MoE bench model against the same configuration on the Qwen3.5 one, per
+    active parameter: (tok/s x active parameters) of VL / the same of Qwen3.5, for decode and prefill."""
+    by_name = {s.name: s for s in timed}
+    pairs = [(s, by_name[s.name.replace(VL_MARK, " ", 1)]) for s in timed
+             if VL_MARK in s.name and s.name.replace(VL_MARK, " ", 1) in by_name]
+    # an engine from before active_params was reported (a --baseline commit) cannot be compared this way
+    pairs = [(vl, qwen35) for vl, qwen35 in pairs if all("active_params" in s.runs[0] for s in (vl, qwen35))]
+    if not pairs:
+        return []
+    lines = ["", "per active parameter, Qwen3-VL-MoE / Qwen3.5-MoE (tok/s x active parameters; active: the embedding "
+                 "table excluded, the LM head included); required: both ratios at least "
+                 f"{1 - PER_PARAMETER_TOLERANCE:.2f}",
+             "", "| Qwen3-VL-MoE | Qwen3.5-MoE | active params VL / 3.5 | decode tok/s VL / 3.5 "
+                 "| prefill tok/s VL / 3.5 | decode per param | prefill per param | met |",
+             "|---|---|---|---|---|---|---|---|"]
+    for vl, qwen35 in pairs:
+        active_vl, active_35 = vl.runs[0]["active_params"], qwen35.runs[0]["active_params"]
+        ratios = [vl.median(key) * active_vl / (qwen35.median(key) * active_35)
+                  for key in ("decode_tok_s", "prefill_tok_s")]
+        met = "yes" if min(ratios) >= 1 - PER_PARAMETER_TOLERANCE else "NO"
+        lines.append(f"| {vl.name} | {qwen35.name} | {active_vl / GB:.3f} B / {active_35 / GB:.3f} B "
+                     f"| {fmt(vl.median('decode_tok_s'))} / {fmt(qwen35.median('decode_tok_s'))} "
+                     f"| {fmt(vl.median('prefill_tok_s'), 1)} / {fmt(qwen35.median('prefill_tok_s'), 1)} "
+                     f"| {fmt(ratios[0])} | {fmt(ratios[1])} | {met} |")
+    return lines
 
 
 def profile(args, env: dict) -> None:
     for spec in args.ours.split(","):
-        subprocess.run(ours_command(args, spec, "profile", "--decode", str(args.profile_steps), "--top",
-                                    str(args.top)), check=True, env=env)
+        for family in FAMILIES if vl_runs(args, spec) else FAMILIES[:1]:
+            subprocess.run(ours_command(args, spec, "profile", "--decode", str(args.profile_steps), "--top",
+                                        str(args.top), family=family), check=True, env=env)
 
 
 def main() -> None:
@@ -239,6 +285,9 @@ def main() -> None:
     parser.add_argument("--no-image", action="store_true", help="skip the demo model's image and video TTFT")
     parser.add_argument("--ours", default=DEFAULT_OURS,
                         help=f"our configurations, COMPUTE[+EXPERTS] comma-separated (default {DEFAULT_OURS})")
+    parser.add_argument("--vl", action="store_true",
+                        help="run each --ours configuration on the Qwen3-VL-MoE bench model too, in the same rounds, "
+                             "and compare the two families per active parameter")
     parser.add_argument("--baseline", default="",
                         help="commits (comma-separated) whose engine runs each --ours configuration too, in the same "
                              "rounds, e.g. to compare a change with the commit before it")

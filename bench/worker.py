@@ -8,7 +8,7 @@
     python bench/worker.py bandwidth
 
 Prints one line `RESULT {json}` (load_s, prefill_tok_s, ttft_s, decode_tok_s, weight_bytes_per_token,
-peak_rss_bytes; bandwidth_bytes_s for `bandwidth`); `profile` prints torch.profiler's tables instead.
+peak_rss_bytes; active_params for `ours`; bandwidth_bytes_s for `bandwidth`); `profile` prints torch.profiler's tables instead.
 Prefill: one greedy call on a `--prefill`-token prompt, timed to its first token. Decode: a 1-token prompt and
 `--decode`+1 new tokens, so exactly `--decode` single-token forward passes are timed, as llama-bench's tg test does
 from an empty context. Each system is warmed up first (a 16-token prompt, 4 new tokens).
@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: a3b_core
 
-from bench.roofline import measure_bandwidth, torch_bytes_per_token  # noqa: E402
+from bench.roofline import active_params, measure_bandwidth, torch_bytes_per_token  # noqa: E402
 
 IMAGE_TEXT_TOKENS = 32
 VIDEO_FRAMES = 16
@@ -76,7 +76,8 @@ def run_ours(args) -> None:
     report(dict(load_s=load_s, prefill_tok_s=prefill["prefill_tok_s"], ttft_s=prefill["ttft_s"],
                 decode_tok_s=decode["decode_tok_s"],
                 weight_bytes_per_token=torch_bytes_per_token(model.text, cfg.num_experts_per_tok, cfg.num_experts,
-                                                             cfg.vocab_size)))
+                                                             cfg.vocab_size),
+                active_params=active_params(model.family.text_model, cfg)))
 
 
 def run_profile(args) -> None:

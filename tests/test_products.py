@@ -8,6 +8,8 @@ from a3b_core import load_model
 from a3b_core.backends.experts import CpuFloatExperts
 from a3b_core.backends.packed import PackedLinear, packing_available
 from a3b_core.backends.products import FusedLinear, linear
+from a3b_core.checkpoint import Checkpoint
+from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 
 
 def bf16_rounded_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -62,3 +64,32 @@ def test_bf16_cpu_load_fuses_projections_packs_vision_and_fp32_neither(fixtures)
         assert not any(isinstance(m, torch.nn.Linear) for m in model.vision.modules())
     fp32 = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32")
     assert not any(isinstance(m, (PackedLinear, FusedLinear)) for m in [*fp32.text.modules(), *fp32.vision.modules()])
+
+
+def test_the_qwen3_vl_decoder_takes_the_same_cpu_swaps_on_contiguous_experts():
+    """Qwen3-VL's BF16 release stores the fused experts transposed: loaded in bf16 they are laid out as the model
+    reads them (a transposed view would make every expert product a strided one), the decoder gets the same swaps as
+    Qwen3.5's, and its logits equal those of the same weights in the plain modules."""
+    vl = build_qwen3_vl_fixtures()
+    model = load_model(vl.moe_bf16, preset="cpu", compute_dtype="bfloat16", weight_format="bf16")
+    text = model.text
+    owners = [m for m in text.modules() if hasattr(m, "input_projections")]
+    assert len(owners) == 2 * len(text.layers)  # each layer's attention and MoE
+    assert all(isinstance(m.fused_projection, FusedLinear) for m in owners)
+    experts = [m for m in text.modules() if isinstance(m, CpuFloatExperts)]
+    assert len(experts) == len(text.layers)
+    assert all(e.gate_up_proj.is_contiguous() and e.down_proj.is_contiguous() for e in experts)
+    assert not any(isinstance(m, torch.nn.Linear) for m in text.modules())
+
+    with torch.device("meta"):
+        plain = model.family.text_model(model.config.text)
+    model.family.load_text(plain, model.config.text, Checkpoint(vl.moe_bf16), torch.bfloat16)
+    ids = vl.refs(vl.moe_bf16)["text.input_ids"][:1]
+    positions = torch.arange(ids.shape[1]).expand(3, 1, -1)
+    with torch.inference_mode():
+        swapped = text(text.embed_tokens(ids), positions)
+        reference = plain(plain.embed_tokens(ids), positions)
+        one_row = [text(text.embed_tokens(ids[:, :1]), positions[..., :1]),
+                   plain(plain.embed_tokens(ids[:, :1]), positions[..., :1])]
+    assert torch.equal(swapped, reference)
+    torch.testing.assert_close(*one_row, atol=0.05, rtol=0.02)  # the matrix-vector kernel sums in another order

@@ -1,6 +1,6 @@
 """The Qwen3-VL family against the transformers oracle, on tiny checkpoints of every released layout (fused BF16
-experts stored transposed, FP8 per expert, dense) and transformers' own: text, one image, two images of different
-sizes (DeepStack included), cached decoding and greedy generation."""
+experts stored transposed, the same in FP8 with block scales, dense) and transformers' own: text, one image, two images
+of different sizes (DeepStack included), cached decoding and greedy generation."""
 import json
 import shutil
 from pathlib import Path
@@ -42,10 +42,14 @@ def test_the_layouts_are_the_releases(vl, models):
     assert {m.family.name for m in models.values()} == {"Qwen3-VL"}
     assert models["dense"].config.model_type == "qwen3_vl" and not models["dense"].config.text.is_moe
     assert models["moe_bf16"].config.text.num_experts == models["moe_hf"].config.text.num_experts == 8
-    tensors = {name: Checkpoint(getattr(vl, name)).infos["model.language_model.layers.0.mlp.experts.gate_up_proj"]
-               .shape for name in ("moe_hf", "moe_bf16")}
+    name = "model.language_model.layers.0.mlp.experts.gate_up_proj"
+    infos = {layout: Checkpoint(getattr(vl, layout)).infos for layout in ("moe_hf", "moe_bf16", "moe_fp8")}
     e, i, h = MOE_DIMS["num_experts"], MOE_DIMS["moe_intermediate_size"], 128
-    assert tensors == {"moe_hf": (e, 2 * i, h), "moe_bf16": (e, h, 2 * i)}
+    shapes = {layout: infos[layout][name].shape for layout in infos}
+    assert shapes == {"moe_hf": (e, 2 * i, h), "moe_bf16": (e, h, 2 * i), "moe_fp8": (e, h, 2 * i)}
+    fp8 = infos["moe_fp8"]
+    assert fp8[name].dtype == torch.float8_e4m3fn and fp8[name + "_scale_inv"].dtype == torch.float32
+    assert fp8[name + "_scale_inv"].shape == (e, 1, 2)  # 128x128 blocks over the stored [H, 2I] of each expert
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -179,8 +183,34 @@ def test_a_qwen3_5_config_with_deepstack_points_at_qwen3_vl():
         parse_config(raw)
 
 
-def test_fused_experts_stored_as_fp8_are_refused_not_misread(vl, tmp_path):
-    """No release stores fused experts in FP8; such a tensor must not be read as if its e4m3 values were weights."""
+def test_the_fp8_releases_fused_experts_are_kept_as_released(vl, tmp_path):
+    """weight_format "fp8" keeps each expert's e4m3 matrix and block scales as stored (transposed into the store's
+    [out, in]), and computes what the dequantised checkpoint does. The stored e4m3 values are halved first: then no
+    block reaches e4m3's largest value, so a requantisation would pick other scales (and give itself away)."""
+    folder = tmp_path / "moe_fp8"
+    shutil.copytree(vl.moe_fp8, folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    names = [f"model.language_model.layers.1.mlp.experts.{which}" for which in ("gate_up_proj", "down_proj")]
+    for shard in {folder / index["weight_map"][name] for name in names}:
+        tensors = load_file(shard)
+        for name in names:
+            if name in tensors:
+                tensors[name] = (tensors[name].float() / 2).to(torch.float8_e4m3fn)
+        save_file(tensors, shard)
+    model = load_model(folder, preset="cpu", compute_dtype="float32", weight_format="fp8")
+    ckpt = Checkpoint(folder)
+    for name in names:
+        stack = getattr(model.text.layers[1].mlp.experts, name.rsplit(".", 1)[1])
+        for e in range(MOE_DIMS["num_experts"]):
+            assert torch.equal(stack.q[e].view(torch.uint8), ckpt.raw(name)[e].t().view(torch.uint8))
+            assert torch.equal(stack.scale[e], ckpt.raw(name + "_scale_inv")[e].t())
+    as_float = load_model(folder, preset="cpu", compute_dtype="float32")
+    ids = vl.refs(vl.moe_fp8)["text.input_ids"]
+    torch.testing.assert_close(model.logits(ids), as_float.logits(ids), atol=1e-5, rtol=0)
+
+
+def test_fused_fp8_experts_without_their_scales_are_refused_not_misread(vl, tmp_path):
+    """FP8 fused experts without their block scales must not be read as if their e4m3 values were weights."""
     folder = tmp_path / "fused_fp8"
     shutil.copytree(vl.moe_bf16, folder)
     index = json.loads((folder / "model.safetensors.index.json").read_text())
@@ -189,6 +219,6 @@ def test_fused_experts_stored_as_fp8_are_refused_not_misread(vl, tmp_path):
     tensors = load_file(shard)
     tensors[name] = tensors[name].to(torch.float8_e4m3fn)
     save_file(tensors, shard)
-    with pytest.raises(CheckpointError, match=f"'{name}' is stored as FP8.*fused") as error:
+    with pytest.raises(CheckpointError, match=f"'{name}' is stored as FP8 but has no '{name}_scale_inv'") as error:
         load_model(folder, preset="cpu", compute_dtype="float32")
     assert FIX.search(str(error.value))

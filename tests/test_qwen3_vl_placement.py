@@ -2,8 +2,9 @@
 from header inventories (names, shapes, dtypes; no weights), and `plan` / `inspect` on header-only folders.
 
 The inventories are transformers' own modules for the released config.json (built on the meta device), in the
-release's layout: BF16 with the fused experts stored transposed; FP8 with per-expert e4m3 experts and attention
-projections, each with 128x128 block scales (weight_scale_inv), everything else bf16."""
+release's layout: BF16 with the fused experts stored transposed; FP8 with the same fused experts and the attention
+projections in e4m3, each with fp32 128x128 block scales (`<experts>_scale_inv` stacked per expert, `weight_scale_inv`),
+everything else bf16."""
 import json
 import math
 import re
@@ -23,8 +24,8 @@ from tests.test_placement import bytes_read, part, run_cli, write_header_only_ch
 DATA = Path(__file__).parent / "data"
 RAM = 64 * GiB
 FP8_BLOCK = 128
-FP8_MATRIX = re.compile(r"language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.experts\.\d+\.(gate|up|down)_proj)"
-                        r"\.weight$")
+FP8_MATRIX = re.compile(r"language_model\.layers\.\d+\.(self_attn\.[qkvo]_proj\.weight"
+                        r"|mlp\.experts\.(gate_up|down)_proj)$")
 # The dense releases' config.json values that size them (the rest as Qwen3-VL-30B-A3B's)
 DENSE = {
     "2B": dict(text=dict(hidden_size=2048, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
@@ -82,22 +83,15 @@ def inventory(kind: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         return transformers_tensors(dense_raw(kind.removeprefix("dense-")))
     out = {}
     for name, (shape, dtype) in transformers_tensors(moe_raw()).items():
-        if not name.endswith(("experts.gate_up_proj", "experts.down_proj")):
-            out[name] = (shape, dtype)
-        elif kind == "bf16":  # stored transposed: [E, H, 2I] and [E, I, H]
-            out[name] = ((shape[0], shape[2], shape[1]), dtype)
-        else:
-            base, which = name.rsplit(".", 1)
-            parts = ["down_proj"] if which == "down_proj" else ["gate_proj", "up_proj"]
-            rows = shape[1] // len(parts)
-            for expert in range(shape[0]):
-                for p in parts:
-                    out[f"{base}.{expert}.{p}.weight"] = ((rows, shape[2]), dtype)
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # stored transposed: [E, H, 2I], [E, I, H]
+            shape = (shape[0], shape[2], shape[1])
+        out[name] = (shape, dtype)
     if kind == "fp8":
         for name, (shape, _) in list(out.items()):
             if FP8_MATRIX.search(name):
                 out[name] = (shape, torch.float8_e4m3fn)
-                out[name + "_scale_inv"] = (tuple(-(-n // FP8_BLOCK) for n in shape), torch.bfloat16)
+                # "weight_scale_inv" beside a weight, "gate_up_proj_scale_inv" beside fused experts
+                out[name + "_scale_inv"] = (shape[:-2] + tuple(-(-n // FP8_BLOCK) for n in shape[-2:]), torch.float32)
     return out
 
 
@@ -125,9 +119,12 @@ def test_inventories_have_the_releases_sizes():
     assert bf16["model.language_model.layers.0.mlp.experts.gate_up_proj"][0] == (128, 2048, 1536)
     assert bf16["model.language_model.layers.47.mlp.experts.down_proj"][0] == (128, 768, 2048)
     assert sum(".deepstack_merger_list." in n for n in bf16) == 3 * 6
-    assert fp8["model.language_model.layers.3.mlp.experts.127.up_proj.weight_scale_inv"][0] == (6, 16)
+    assert fp8["model.language_model.layers.3.mlp.experts.gate_up_proj_scale_inv"] == ((128, 16, 12), torch.float32)
+    assert fp8["model.language_model.layers.3.mlp.experts.down_proj_scale_inv"][0] == (128, 6, 16)
+    assert fp8["model.language_model.layers.3.self_attn.q_proj.weight_scale_inv"] == ((32, 16), torch.float32)
+    assert sum(dtype == torch.float8_e4m3fn for _, dtype in fp8.values()) == 48 * 6
     assert expert_layout(config("bf16"), bf16) == "fused-transposed [E, H, 2I]"
-    assert expert_layout(config("fp8"), fp8) == "per-expert fp8 (block scales)"
+    assert expert_layout(config("fp8"), fp8) == "fused-transposed [E, H, 2I] fp8 (block scales)"
 
 
 # ----------------------------------------------------------------------------------------------- presets
@@ -211,4 +208,4 @@ def test_cli_plan_and_inspect(real_folder, capsys):
     text = capsys.readouterr().out
     assert "family: Qwen3-VL" in text and "48 layers (all full attention" in text
     assert "experts: 128 per layer in 48 layers, top-8" in text and "DeepStack from blocks 8, 16, 24" in text
-    assert "expert layout: per-expert fp8 (block scales)" in text
+    assert "expert layout: fused-transposed [E, H, 2I] fp8 (block scales)" in text

@@ -18,9 +18,10 @@ Folders (config.json, tokenizer.json, preprocessor_config.json, and a chat_templ
 - moe_bf16   the same weights in the official BF16 layout: fused experts stored transposed,
              `mlp.experts.gate_up_proj [E, H, 2I]` (gate columns first) and `mlp.experts.down_proj [E, I, H]`, bf16,
              in three shards with model.safetensors.index.json; text_config spells num_experts, as the release.
-- moe_fp8    the official FP8 layout: per-expert `mlp.experts.{j}.{gate,up,down}_proj.weight` in e4m3 with bf16
-             `weight_scale_inv`, e4m3 self_attn q/k/v/o_proj with fp32 scales, 128x128 blocks; everything else bf16;
-             quantization_config in config.json.
+- moe_fp8    the official FP8 layout: the fused experts stored transposed as in moe_bf16, but in e4m3, each with
+             fp32 block scales `mlp.experts.gate_up_proj_scale_inv [E, H/128, 2I/128]` (`down_proj_scale_inv`
+             likewise), e4m3 self_attn q/k/v/o_proj with fp32 `weight_scale_inv`, 128x128 blocks; everything else
+             bf16; quantization_config in config.json (its ignored_layers: lm_head, the routers, the vision tower).
 - dense      Qwen3VLForConditionalGeneration.save_pretrained (model_type qwen3_vl), its own seed, fp32.
 
 References `refs/<folder>.safetensors` (moe_hf and moe_bf16 share `refs/moe.safetensors`; moe_fp8's come from the model
@@ -62,8 +63,8 @@ VISION_DIMS = dict(depth=4, hidden_size=64, num_heads=2, intermediate_size=128, 
                    spatial_merge_size=2, num_position_embeddings=64, out_hidden_size=128, initializer_range=0.05,
                    deepstack_visual_indexes=[0, 2, 3], hidden_act="gelu_pytorch_tanh")
 
-FP8_EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
-FP8_OTHER = re.compile(r"self_attn\.[qkvo]_proj\.weight$")
+FUSED_EXPERTS = re.compile(r"mlp\.experts\.(gate_up_proj|down_proj)$")
+FP8_LINEAR = re.compile(r"self_attn\.[qkvo]_proj\.weight$")
 TEMPLATE = Path(__file__).parent / "data" / "qwen3_vl_instruct_chat_template.jinja"
 
 
@@ -143,49 +144,35 @@ def _official_bf16_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _fp8_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
-    """The official-FP8 tensors of `model` (per-expert), and a copy of the model holding their dequantised values."""
-    inter = MOE_DIMS["moe_intermediate_size"]
-    tensors: dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict().items():
-        fused = re.match(r"(.*mlp\.experts)\.(gate_up_proj|down_proj)$", name)
-        if fused is None:
-            tensors[name] = value.detach().to(torch.bfloat16)
-            continue
-        for expert, matrix in enumerate(value.detach().to(torch.bfloat16)):  # transformers' [2I, H] / [H, I]
-            parts = {"down_proj": matrix} if fused[2] == "down_proj" else \
-                {"gate_proj": matrix[:inter], "up_proj": matrix[inter:]}
-            for part, weight in parts.items():
-                tensors[f"{fused[1]}.{expert}.{part}.weight"] = weight.clone()
+    """The official-FP8 tensors of `model`, and a copy of the model holding their dequantised values."""
+    tensors = _official_bf16_state(model)
     dequantised = copy.deepcopy(model)
     params = dict(dequantised.named_parameters())
     for name in list(tensors):
-        scale_dtype = torch.bfloat16 if FP8_EXPERT.search(name) else torch.float32 if FP8_OTHER.search(name) else None
-        if scale_dtype is None or not name.startswith("model.language_model."):
+        if not name.startswith("model.language_model."):
             continue
-        quantised, scale = tm.quantise_fp8(tensors[name], scale_dtype)
-        tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantised, scale
-        _set_weight(params, name, tm.dequantise_fp8(quantised, scale), inter)
+        if FUSED_EXPERTS.search(name):  # stored [E, in, out]: each expert's matrix quantised as stored
+            pairs = [tm.quantise_fp8(matrix, torch.float32) for matrix in tensors[name]]
+            tensors[name], tensors[name + "_scale_inv"] = (torch.stack(part) for part in zip(*pairs))
+            with torch.no_grad():
+                params[name].copy_(torch.stack([tm.dequantise_fp8(q, s).t() for q, s in pairs]))
+        elif FP8_LINEAR.search(name):
+            quantised, scale = tm.quantise_fp8(tensors[name], torch.float32)
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantised, scale
+            with torch.no_grad():
+                params[name].copy_(tm.dequantise_fp8(quantised, scale))
     return tensors, dequantised
 
 
-def _set_weight(params: dict, name: str, weight: torch.Tensor, inter: int) -> None:
-    expert = re.match(r"(.*mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$", name)
-    with torch.no_grad():
-        if expert is None:
-            params[name].copy_(weight)
-        elif expert[3] == "down":
-            params[f"{expert[1]}.down_proj"][int(expert[2])].copy_(weight)
-        else:
-            rows = slice(0, inter) if expert[3] == "gate" else slice(inter, 2 * inter)
-            params[f"{expert[1]}.gate_up_proj"][int(expert[2]), rows].copy_(weight)
-
-
-def _fp8_quantization_config() -> dict:
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+def _fp8_quantization_config(model: torch.nn.Module) -> dict:
+    """As the release writes it: the matrices left in bf16 listed one by one (the vision tower's under both of its
+    prefixes)."""
+    matrices = [name for name, module in model.named_modules()
+                if isinstance(getattr(module, "weight", None), torch.Tensor) and module.weight.dim() >= 2]
+    kept = [name for name in matrices if name.startswith("model.visual.") or name.endswith(("lm_head", "mlp.gate"))]
+    return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
             "weight_block_size": [tm.FP8_BLOCK, tm.FP8_BLOCK],
-            "modules_to_not_convert": ["lm_head", "model.visual", "model.language_model.embed_tokens", "mlp.gate",
-                                       "input_layernorm", "post_attention_layernorm", "self_attn.q_norm",
-                                       "self_attn.k_norm", "model.language_model.norm"]}
+            "ignored_layers": kept + [name.removeprefix("model.") for name in kept if name.startswith("model.visual.")]}
 
 
 # ---------------------------------------------------------------- writers
@@ -245,7 +232,7 @@ def _build_all(root: Path) -> None:
 
     fp8_tensors, dequantised = _fp8_state(moe)
     _write_like(fx.moe_hf, fx.moe_fp8, fp8_tensors, [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)],
-                dtype="bfloat16", quantization_config=_fp8_quantization_config())
+                dtype="bfloat16", quantization_config=_fp8_quantization_config(moe))
     save_file(_all_refs(dequantised, images), root / "refs" / "moe_fp8.safetensors")
 
     dense = _dense_model()

@@ -1,7 +1,7 @@
 """Checkpoints of the Qwen families -> their modules: tensor names and prefixes (the same in every family's
 releases), routed-expert layouts (fused [E, 2I, H] as Qwen3.5's BF16 release, fused and transposed [E, H, 2I] as
-Qwen3-VL's, per-expert, FP8 per expert with block scales), and which part of the model each tensor belongs to (for
-the planner)."""
+Qwen3-VL's BF16 release and, in FP8 with stacked block scales, its FP8 release; per-expert, and FP8 per expert with
+block scales as Qwen3.5's FP8 release), and which part of the model each tensor belongs to (for the planner)."""
 from __future__ import annotations
 
 import re
@@ -14,7 +14,7 @@ from torch import nn
 
 from .. import devices
 from ..backends.experts import FP8_BLOCK, Fp8Linear, QuantizedExperts, convert_experts
-from ..checkpoint import FP8_DTYPES, Checkpoint, TensorInfo
+from ..checkpoint import FP8_DTYPES, Checkpoint
 from ..config import ModelConfig, StoredLayers
 from ..errors import CheckpointError
 from ..options import FLOAT_FORMATS, FORMAT_OF_DTYPE
@@ -107,26 +107,18 @@ def load_experts(ckpt: Checkpoint, base: str, cfg: Any, which: str, dtype: torch
     e = cfg.num_experts
     fused = base + which
     shape = expert_shape(cfg, which, fused=True)
-    info = fused_experts(ckpt, fused)
-    if info is not None and info.shape == shape:
-        return ckpt.weight(fused, dtype)
-    if info is not None and info.shape == (e, shape[2], shape[1]):  # stored transposed
-        return ckpt.raw(fused).transpose(1, 2).to(dtype, memory_format=torch.contiguous_format)
+    info = ckpt.infos.get(fused)
+    if info is not None and info.dtype not in FP8_DTYPES:  # FP8 ones are dequantised expert by expert, below
+        if info.shape == shape:
+            return ckpt.weight(fused, dtype)
+        if info.shape == (e, shape[2], shape[1]):  # stored transposed: copied into the layout the products read
+            out = torch.empty(shape, dtype=dtype).copy_(ckpt.raw(fused).transpose(1, 2))
+            ckpt.release(fused)
+            return out
     out = torch.empty(shape, dtype=dtype)
     for j in range(e):
         out[j] = expert_matrix(ckpt, base, cfg, which, j).to(dtype)
     return out
-
-
-def fused_experts(ckpt: Checkpoint, fused: str) -> TensorInfo | None:
-    """The header entry of a fused expert tensor, None if the checkpoint stores experts one by one. Fused experts
-    are released in bf16 only; FP8 ones would need per-expert block scales no release defines."""
-    info = ckpt.infos.get(fused)
-    if info is not None and info.dtype in FP8_DTYPES:
-        raise CheckpointError(f"{info.file}: tensor '{fused}' is stored as FP8 in the fused experts layout, which no "
-                              "release uses (the FP8 releases store each expert on its own with block scales). Use "
-                              "the model's official BF16 or FP8 release.")
-    return info
 
 
 def expert_shape(cfg: Any, which: str, fused: bool = False) -> tuple[int, ...]:
@@ -137,15 +129,15 @@ def expert_shape(cfg: Any, which: str, fused: bool = False) -> tuple[int, ...]:
 
 def expert_matrix(ckpt: Checkpoint, base: str, cfg: Any, which: str, j: int) -> torch.Tensor:
     """Expert j's fp32 matrix [2I, H] (gate rows, then up) or [H, I], whatever the checkpoint layout: fused,
-    fused-transposed (told apart by shape: H != I != 2I in every real model), or per-expert (FP8 or not)."""
+    fused-transposed (told apart by shape: H != I != 2I in every real model), or per-expert, FP8 or not."""
     out_dim, in_dim = expert_shape(cfg, which)
     fused = base + which
-    if fused_experts(ckpt, fused) is not None:
+    if fused in ckpt:
         shape = ckpt.infos[fused].shape
         if shape == (cfg.num_experts, out_dim, in_dim):
-            return ckpt.raw(fused)[j].float()
+            return ckpt.weight_at(fused, j)
         if shape == (cfg.num_experts, in_dim, out_dim):
-            return ckpt.raw(fused)[j].t().float()
+            return ckpt.weight_at(fused, j).t()
         raise CheckpointError(f"{ckpt.infos[fused].file}: tensor '{fused}' has shape {list(shape)}; expected "
                               f"{[cfg.num_experts, out_dim, in_dim]} (or its transpose) from config.json. Use the "
                               "config.json of this release.")
@@ -162,6 +154,12 @@ def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: Any, fmt: str, devi
     them: the released FP8 matrices where the format is fp8 and the blocks line up, else each expert's matrix."""
 
     def released_fp8(which: str, e: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+        fused = base + which
+        if fused in ckpt:  # fused FP8 experts are kept if their blocks are the store's (square: transposing keeps them)
+            if fused + "_scale_inv" not in ckpt or ckpt.fp8_block != (FP8_BLOCK, FP8_BLOCK):
+                return None
+            q, scale = ckpt.raw(fused)[e], ckpt.raw(fused + "_scale_inv")[e]
+            return (q, scale) if q.shape == expert_shape(cfg, which) else (q.t(), scale.t())
         if cfg.moe_intermediate_size % FP8_BLOCK or base + f"{e}.down_proj.weight_scale_inv" not in ckpt:
             return None
         names = [f"{base}{e}.{part}.weight" for part in (["down_proj"] if which == "down_proj"
