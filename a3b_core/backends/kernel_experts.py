@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .experts import QuantizedExperts, QuantizedStack
+from .experts import CpuFloatExperts, QuantizedExperts, QuantizedStack
 
 # From this many rows on, a step keeps torch's products: the kernel dots every decoded weight row with each row that
 # routed to its expert, one fp32 dot at a time, which costs about as much as torch's matrix-matrix products by ~8 rows
@@ -87,20 +87,25 @@ def _empty(dtype: type, ndim: int) -> np.ndarray:
 
 
 class KernelMatrices(nn.Module):
-    """One fused matrix stack of a layer's experts as the kernel reads it: the store's buffers (int8, FP8) or the
-    re-laid-out int4 ones, under the store's names `q` and `scale`, and their numpy views."""
+    """One fused matrix stack of a layer's experts as the kernel reads it, and its numpy views: a quantised stack's
+    buffers under its names `q` and `scale` (int4's re-laid-out), or a bf16 stack [E, out, in] as `weight`."""
 
-    def __init__(self, fmt: str, stack: QuantizedStack):
+    def __init__(self, fmt: str, stack: QuantizedStack | torch.Tensor):
         super().__init__()
-        e, out, inp = stack.shape
+        self.arrays = {"q": _empty(np.uint8, 4), "q16": _empty(np.uint16, 3), "scale": _empty(np.float32, 3),
+                       "sz": _empty(np.uint16, 4)}
+        if fmt == "bf16":
+            self.weight = stack
+            self.shape = tuple(stack.shape)
+            self.arrays["q16"] = stack.detach().view(torch.int16).numpy().view(np.uint16)
+            return
+        self.shape = stack.shape
         if fmt == "int4":
             self.q = nn.Buffer(kernel_int4_rows(stack.q, stack.group))
             self.scale = nn.Buffer(stack.scale.transpose(1, 2).contiguous())  # [E, out, groups, 2]: a row's in a row
         else:
             self.q, self.scale = stack.q, stack.scale
         q = self.q.view(torch.uint8).numpy()
-        self.arrays = {"q": _empty(np.uint8, 4), "q16": _empty(np.uint16, 3), "scale": _empty(np.float32, 3),
-                       "sz": _empty(np.uint16, 4)}
         if fmt == "int8":
             self.arrays["q"] = q  # [E, chunks, out, chunk]
             self.arrays["scale"] = self.scale.float().numpy()[:, :, None].copy()
@@ -110,7 +115,6 @@ class KernelMatrices(nn.Module):
         else:
             self.arrays["q"] = q[:, None]
             self.arrays["sz"] = self.scale.view(torch.int16).numpy().view(np.uint16)
-        self.shape = (e, out, inp)
 
 
 def kernel_int4_rows(packed: torch.Tensor, group: int) -> torch.Tensor:
@@ -144,16 +148,17 @@ class KernelExperts(nn.Module):
     """A layer's routed experts on the CPU whose routed step of up to KERNEL_MAX_ROWS rows is one kernel call
     (`routed_step`); `gate_up(e, x)` / `down(e, x)` serve more rows as the store they replace did."""
 
-    FORMAT_CODES = {"int8": 0, "fp8": 1, "int4": 2}  # cpu_kernels.INT8, FP8, INT4
+    FORMAT_CODES = {"int8": 0, "fp8": 1, "int4": 2, "bf16": 3}  # cpu_kernels.INT8, FP8, INT4, BF16
     FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().nan_to_num(0.0).numpy()
 
-    def __init__(self, store: QuantizedExperts, kernels: ModuleType):
+    def __init__(self, store: QuantizedExperts | CpuFloatExperts, kernels: ModuleType):
         super().__init__()
-        self.fmt, self.kernels = store.fmt, kernels
-        self.gate_up_proj = KernelMatrices(store.fmt, store.gate_up_proj)
-        self.down_proj = KernelMatrices(store.fmt, store.down_proj)
+        self.fmt = store.fmt if isinstance(store, QuantizedExperts) else "bf16"
+        self.kernels = kernels
+        self.gate_up_proj = KernelMatrices(self.fmt, store.gate_up_proj)
+        self.down_proj = KernelMatrices(self.fmt, store.down_proj)
         self.inter = self.down_proj.shape[2]
-        self.store_products = None if store.fmt == "int4" else (store.gate_up, store.down)
+        self.store_products = None if self.fmt == "int4" else (store.gate_up, store.down)
 
     @property
     def device(self) -> torch.device:
