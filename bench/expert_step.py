@@ -6,7 +6,7 @@
 The bench model's shapes (hidden 1024, moe_intermediate 512, 64 experts, top-8) with 16 layers of distinct random
 weights (far more than the L3 cache holds: copies of one random layer, in their own memory), each step a random routing on the next layer, run through the model's own
 RoutedExperts.routed_experts with the store as loading makes it (torch) and with its KernelExperts swap (numba).
-Rounds interleave the two; medians are printed with the weight bytes a step reads per second, next to the memory
+Rounds interleave the two; each format's medians are printed as soon as it is done, with the weight bytes a step reads per second, next to the memory
 bandwidth measured in the same run (roofline.py: 1 GiB fp32 sum).
 """
 from __future__ import annotations
@@ -72,7 +72,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=1, help="rows per step (1: decoding one sequence)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=160, help="layer-steps per round and path")
+    parser.add_argument("--steps", type=int, default=64, help="layer-steps per round and path")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     kernels = compiled_kernels()
@@ -81,39 +81,33 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     cfg = SimpleNamespace(hidden_size=HIDDEN, num_experts=EXPERTS, moe_intermediate_size=INTER,
                           num_experts_per_tok=TOP_K)
-    results = []
+    bandwidth = measure_bandwidth(args.threads)
+    print(f"{args.rows} row(s) per step, {args.threads} threads, hidden {HIDDEN}, moe_intermediate {INTER}, "
+          f"{EXPERTS} experts top-{TOP_K}, {LAYERS} layers; medians of {args.rounds} rounds")
+    print("| format | torch ms | torch GB/s | numba ms | numba GB/s | numba vs torch | bandwidth GB/s |")
+    print("|---|---|---|---|---|---|---|", flush=True)
     for fmt in args.formats.split(","):
-        started = time.perf_counter()
         first = random_store(fmt, g)
-        print(f"{fmt}: made {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
         stores = [first] + [copy.deepcopy(first) for _ in range(LAYERS - 1)]
-        step_bytes = store_bytes(stores[0]) * TOP_K / EXPERTS
+        step_bytes = store_bytes(first) * TOP_K / EXPERTS
         with torch.device("meta"):
             torch_layers = [RoutedExperts(cfg) for _ in stores]
             kernel_layers = [RoutedExperts(cfg) for _ in stores]
         for torch_layer, kernel_layer, store in zip(torch_layers, kernel_layers, stores):
             torch_layer.experts = store
             kernel_layer.experts = KernelExperts(store, kernels)
-        del stores
-        print(f"{fmt}: copied {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-        time_steps(torch_layers, args.rows, 16, g)  # warm-up: page faults, first calls
-        time_steps(kernel_layers, args.rows, 16, g)
-        print(f"{fmt}: warm {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
+        del first, stores
+        time_steps(torch_layers, args.rows, LAYERS, g)  # warm-up: page faults, first calls
+        time_steps(kernel_layers, args.rows, LAYERS, g)
         timings: dict[str, list[float]] = {"torch": [], "numba": []}
         for _ in range(args.rounds):
             timings["torch"].append(time_steps(torch_layers, args.rows, args.steps, g))
             timings["numba"].append(time_steps(kernel_layers, args.rows, args.steps, g))
         del torch_layers, kernel_layers
-        results.append((fmt, step_bytes, {k: statistics.median(v) for k, v in timings.items()}))
-        print(f"{fmt}: done {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
-    bandwidth = measure_bandwidth(args.threads)
-    print(f"{args.rows} row(s) per step, {args.threads} threads, hidden {HIDDEN}, moe_intermediate {INTER}, "
-          f"{EXPERTS} experts top-{TOP_K}, {LAYERS} layers; medians of {args.rounds} rounds")
-    print("| format | torch ms | torch GB/s | numba ms | numba GB/s | numba vs torch | bandwidth GB/s |")
-    print("|---|---|---|---|---|---|---|")
-    for fmt, step_bytes, t in results:
+        t = {path: statistics.median(times) for path, times in timings.items()}
         print(f"| {fmt} | {t['torch'] * 1e3:.3f} | {step_bytes / t['torch'] / 1e9:.1f} | {t['numba'] * 1e3:.3f} | "
-              f"{step_bytes / t['numba'] / 1e9:.1f} | {t['torch'] / t['numba']:.2f}x | {bandwidth / 1e9:.1f} |")
+              f"{step_bytes / t['numba'] / 1e9:.1f} | {t['torch'] / t['numba']:.2f}x | {bandwidth / 1e9:.1f} |",
+              flush=True)
 
 
 if __name__ == "__main__":
