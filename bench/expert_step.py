@@ -1,13 +1,14 @@
 """One layer's routed-expert step on the CPU: torch's per-expert products vs the numba kernel (kernel_experts.py).
 
-    python bench/expert_step.py                       # every format, 1 row, 2 threads
-    python bench/expert_step.py --rows 4 --formats int8,int4
+    python bench/expert_step.py                       # int8 and FP8, 1 row, 2 threads
+    python bench/expert_step.py --rows 4 --formats int8
 
-The bench model's shapes (hidden 1024, moe_intermediate 512, 64 experts, top-8) with 16 layers of distinct random
-weights (far more than the L3 cache holds: copies of one random layer, in their own memory), each step a random routing on the next layer, run through the model's own
-RoutedExperts.routed_experts with the store as loading makes it (torch) and with its KernelExperts swap (numba).
-Rounds interleave the two; each format's medians are printed as soon as it is done, with the weight bytes a step reads per second, next to the memory
-bandwidth measured in the same run (roofline.py: 1 GiB fp32 sum).
+The bench model's shapes (hidden 1024, moe_intermediate 512, 64 experts, top-8) with 16 layers of random weights in
+their own memory (copies of one layer: far more than the L3 cache holds), each step a random routing on the next
+layer, run through the model's own RoutedExperts.routed_experts with the store as loading makes it (torch) and with
+its KernelExperts swap (numba). Rounds interleave the two; each format's medians are printed as soon as it is done,
+with the weight bytes a step reads per second, next to the memory bandwidth measured in the same run (roofline.py:
+1 GiB fp32 sum).
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: bench.*, a3b_core
 
-from a3b_core.backends.experts import CpuFloatExperts, QuantizedExperts  # noqa: E402
+from a3b_core.backends.experts import QuantizedExperts  # noqa: E402
 from a3b_core.backends.kernel_experts import KernelExperts, compiled_kernels  # noqa: E402
 from a3b_core.models.layers import RoutedExperts  # noqa: E402
 from bench.roofline import measure_bandwidth  # noqa: E402
@@ -31,13 +32,9 @@ from bench.roofline import measure_bandwidth  # noqa: E402
 HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 1024, 512, 64, 8, 16
 
 
-def random_store(fmt: str, g: torch.Generator) -> CpuFloatExperts | QuantizedExperts:
+def random_store(fmt: str, g: torch.Generator) -> QuantizedExperts:
     """A layer's experts in `fmt` with random contents (valid codes and scales; quantising real matrices would take
     minutes and read no differently)."""
-    if fmt == "bf16":
-        return CpuFloatExperts(*(torch.nn.Parameter((torch.randn(EXPERTS, *shape, generator=g) * 0.02).bfloat16(),
-                                                    requires_grad=False)
-                                 for shape in ((2 * INTER, HIDDEN), (HIDDEN, INTER))))
     store = QuantizedExperts(fmt, EXPERTS, HIDDEN, INTER)
     for stack in (store.gate_up_proj, store.down_proj):
         raw = torch.randint(0, 256, stack.q.shape, generator=g, dtype=torch.uint8)
@@ -62,14 +59,14 @@ def time_steps(layers: list[RoutedExperts], rows: int, steps: int, g: torch.Gene
         inputs.append((x, top_i, top_p))
     started = time.perf_counter()
     for step, (x, top_i, top_p) in enumerate(inputs):
-        layers[step % len(layers)].routed_experts(x, top_i, top_p)
+        layers[step % len(layers)].routed_experts(x, top_i, top_p, decoding=True)
     return (time.perf_counter() - started) / steps
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--formats", default="bf16,int8,int4,fp8")
-    parser.add_argument("--rows", type=int, default=1, help="rows per step (1: decoding one sequence)")
+    parser.add_argument("--formats", default="int8,fp8")
+    parser.add_argument("--rows", type=int, default=1, help="rows per step: sequences decoded together")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=64, help="layer-steps per round and path")
