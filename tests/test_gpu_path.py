@@ -20,6 +20,7 @@ from safetensors.torch import load_file, save_file
 from a3b_core import load_model
 from a3b_core.engine import DEMO_MODELS
 from a3b_core.backends.experts import Fp8Linear, QuantizedExperts, quantize_fp8
+from a3b_core.backends.kernel_experts import KERNEL_FORMATS, KernelExperts, kernels_enabled
 from a3b_core.options import FLOAT_FORMATS
 from a3b_core.placement import CUDA_CONTEXT_BYTES, plan_for_folder
 from tests.fake_cuda import FakeCuda
@@ -122,7 +123,9 @@ def assert_placed_as_planned(model) -> None:
         if fmt in FLOAT_FORMATS:
             assert experts.gate_up_proj.dtype == FLOAT_FORMATS[fmt], (index, fmt)
         else:
-            assert isinstance(experts, QuantizedExperts) and experts.fmt == fmt, (index, fmt)
+            assert isinstance(experts, (QuantizedExperts, KernelExperts)) and experts.fmt == fmt, (index, fmt)
+            assert isinstance(experts, KernelExperts) == (experts.device.type == "cpu" and kernels_enabled()
+                                                          and fmt in KERNEL_FORMATS)
     mixers = model.text.layers[-1].self_attn
     assert isinstance(mixers.o_proj, Fp8Linear) == (plan.dense_format == "fp8")
     if model.config.text.tie_word_embeddings and "lm_head" not in [p.name for p in plan.parts]:

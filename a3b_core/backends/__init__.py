@@ -4,8 +4,9 @@ named as in the checkpoint.
 On the CPU (products.py, packed.py, experts.py): bf16 Linears and float experts of the text model take torch's
 matrix-vector kernel for one or two rows, input projections that read the same input are fused into one product,
 and the vision tower's bf16 matrices are packed for oneDNN. Quantised expert stores and FP8 dense layers
-(experts.py) are built by the family's loader. heap.py keeps the C heap's freed memory for reuse while a generation
-runs, when asked. The constants tuned for one CPU live in products.py and experts.py and say which CPU.
+(experts.py) are built by the family's loader; int8 and FP8 ones on the CPU compute a decoding step's routed
+experts in one numba call per layer (kernel_experts.py, cpu_kernels.py) when numba is there. heap.py keeps the C
+heap's freed memory for reuse while a generation runs, when asked. The constants tuned for one CPU live in products.py and experts.py and say which CPU.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from collections.abc import Callable
 from torch import nn
 
 from .experts import CpuFloatExperts
+from .kernel_experts import swap_in_kernels
 from .packed import pack_cpu_linears
 from .products import CpuLinear, fuse_input_projections
 
@@ -34,5 +36,6 @@ def prepare_cpu(text: nn.Module, vision: nn.Module | None, release_text: Callabl
             setattr(text.get_submodule(parent), leaf, CpuLinear(module.weight))
         elif is_float_experts(module) and module.gate_up_proj.device.type == "cpu":
             setattr(text.get_submodule(parent), leaf, CpuFloatExperts(module.gate_up_proj, module.down_proj))
+    swap_in_kernels(text)
     if vision is not None:
         pack_cpu_linears(vision, release_vision)

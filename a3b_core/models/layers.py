@@ -214,13 +214,18 @@ class RoutedExperts(nn.Module):
         top_logits, top_i = router_logits.float().topk(self.cfg.num_experts_per_tok, dim=-1)
         return top_i, torch.softmax(top_logits, dim=-1).to(dtype)
 
-    def routed_experts(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    def routed_experts(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor,
+                       decoding: bool = False) -> torch.Tensor:
         """Groups the (token, slot) pairs by expert and runs each used expert once on its tokens, on the device
         that holds the experts: hidden states and routing of experts kept in RAM travel to the CPU in one copy, and
-        the result comes back in one (the routing has to reach the host anyway, to pick the experts)."""
+        the result comes back in one (the routing has to reach the host anyway, to pick the experts). When
+        `decoding` (each row is one sequence's next token), a store with `routed_step` (backends/kernel_experts.py)
+        computes the whole step itself."""
         home = x.device
         if self.experts.device != home:
             x, top_i, top_p = moved_together(x, top_i, top_p, self.experts.device)
+        if decoding and hasattr(self.experts, "routed_step"):
+            return self.experts.routed_step(x, top_i, top_p).to(home)
         if x.shape[0] == 1:  # decoding one token: nothing to group, and the k experts' small ops run batched
             chosen = top_i[0].cpu().tolist()  # the one copy to the host this layer needs
             act = swiglu(torch.cat([self.experts.gate_up(e, x) for e in chosen]).to(x.dtype))  # [k, I]

@@ -161,7 +161,7 @@ class SparseMoE(RoutedExperts):
         x = x.reshape(-1, shape[-1])
         router, shared_gate, shared_up, shared_scale = project(self, x)
         top_i, top_p = self.route(router, x.dtype)
-        out = self.routed_experts(x, top_i, top_p)
+        out = self.routed_experts(x, top_i, top_p, decoding=shape[-2] == 1)
         shared = self.shared_expert.down_proj(silu_mul(shared_gate, shared_up))
         out = out + torch.sigmoid(shared_scale) * shared
         return out.view(shape)

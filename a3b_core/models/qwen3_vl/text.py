@@ -25,7 +25,7 @@ class SparseMoE(RoutedExperts):
         x = x.reshape(-1, shape[-1])
         (router,) = project(self, x)
         top_i, top_p = self.route(router, x.dtype)
-        return self.routed_experts(x, top_i, top_p).view(shape)
+        return self.routed_experts(x, top_i, top_p, decoding=shape[-2] == 1).view(shape)
 
 
 class DecoderLayer(nn.Module):

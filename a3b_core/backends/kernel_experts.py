@@ -1,0 +1,136 @@
+"""Routed experts on the CPU computed by one compiled call per layer (numba, cpu_kernels.py) when a step has few rows.
+
+Decoding multiplies each of a token's top-k experts by one row. As torch calls that is three products per expert and
+layer, each with a fixed cost, and torch's weight-only int8 kernel reads its matrix at about half the memory
+bandwidth. The kernel computes the layer's whole routed step of a decoding step (one row per sequence: gate/up rows,
+SiLU(gate) * up, down rows, the routing-weighted sum) in one call, reading each chosen expert once, its output rows
+split over torch's thread count; bench/expert_step.py measures both. Prefill keeps the store's own torch products:
+there the products are matrix-matrix and already efficient. The choice is made per step kind, not per row count, so
+that a sequence decodes to the same tokens whatever batch it is in (a row's result from the kernel does not depend
+on the other rows, while a prefill's path would then depend on how many rows a batch's last chunk has).
+
+Applied at load by prepare_cpu as a module swap of CPU expert stores in int8 and FP8 (as released: 128x128 block
+scales, decoded in the kernel through a table, so FP8 checkpoints need no converted cache), reading the store's
+tensors as they are. int4 and bf16 experts keep torch's products: torch's int4 kernel was faster than a numba decode
+of its nibbles in bench/expert_step.py, and bf16 was not measured.
+
+numba compiles the kernel on first use and keeps it in its on-disk cache: in this package's __pycache__ when that is
+writable, else in the user's cache directory (numba's own choice; NUMBA_CACHE_DIR overrides it). Nothing is swapped,
+and the torch path runs unchanged, when numba is not installed, when the kernel fails to compile or to reproduce a
+small product, or when the environment sets A3B_NO_NUMBA=1.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+from functools import cache
+from types import ModuleType
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .experts import QuantizedExperts, QuantizedStack
+
+KERNEL_FORMATS = ("int8", "fp8")
+_LOCK = threading.Lock()  # numba's thread pools do not all accept calls from two threads at once
+
+
+def kernels_enabled() -> bool:
+    """True when routed-expert kernels are used: not switched off by A3B_NO_NUMBA=1, and numba compiles them."""
+    return os.environ.get("A3B_NO_NUMBA", "0") in ("", "0") and compiled_kernels() is not None
+
+
+@cache
+def compiled_kernels() -> ModuleType | None:
+    """cpu_kernels.py compiled and checked against torch on a small step, or None (with a warning) if it fails."""
+    try:
+        from . import cpu_kernels
+    except ImportError:
+        return None
+    try:
+        check_kernels(cpu_kernels)
+    except Exception as exc:  # numba's compile errors have many types; any failure means the torch path
+        warnings.warn(f"a3b_core: numba could not compile the CPU expert kernels ({exc}); using torch's products "
+                      "(slower decoding on the CPU). Set A3B_NO_NUMBA=1 to skip the attempt.", stacklevel=2)
+        return None
+    return cpu_kernels
+
+
+def check_kernels(kernels: ModuleType) -> None:
+    """One routed step of two rows on tiny int8 experts equals the same step in fp64."""
+    g = torch.Generator().manual_seed(0)
+    experts = QuantizedExperts("int8", 4, 32, 16)
+    for e in range(4):
+        experts.gate_up_proj.set(e, torch.randn(32, 32, generator=g))
+        experts.down_proj.set(e, torch.randn(32, 16, generator=g))
+    x = torch.randn(2, 32, generator=g)
+    ids, weights = torch.tensor([[1, 3], [3, 0]]), torch.tensor([[0.6, 0.4], [0.7, 0.3]])
+    got = KernelExperts(experts, kernels).routed_step(x, ids, weights).double()
+    want = torch.zeros(2, 32, dtype=torch.float64)
+    for t in range(2):
+        for e, w in zip(ids[t].tolist(), weights[t].tolist()):
+            gate, up = (experts.gate_up_proj.dequantize(e).double() @ x[t].double()).chunk(2)
+            want[t] += w * experts.down_proj.dequantize(e).double() @ (F.silu(gate) * up)
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()):
+        raise ValueError("the kernel's result differs from the reference")
+
+
+class KernelMatrices(nn.Module):
+    """One fused matrix stack of a layer's experts as the kernel reads it: the store's buffers under its names `q`
+    and `scale`, and their numpy views (int8 [E, chunks, out, chunk] with scales [E, out, 1]; FP8 [E, 1, out, in]
+    with its block scales)."""
+
+    def __init__(self, fmt: str, stack: QuantizedStack):
+        super().__init__()
+        self.q, self.scale = stack.q, stack.scale
+        q = self.q.view(torch.uint8).numpy()
+        if fmt == "int8":
+            self.arrays = (q, self.scale.float().numpy()[:, :, None].copy())
+        else:
+            self.arrays = (q[:, None], self.scale.numpy())
+
+
+class KernelExperts(nn.Module):
+    """A layer's int8 or FP8 routed experts on the CPU whose decoding step is one kernel call (`routed_step`);
+    `gate_up(e, x)` / `down(e, x)` serve prefill through the store's own products."""
+
+    FORMAT_CODES = {"int8": 0, "fp8": 1}  # cpu_kernels.INT8, FP8
+    FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().nan_to_num(0.0).numpy()
+
+    def __init__(self, store: QuantizedExperts, kernels: ModuleType):
+        super().__init__()
+        self.fmt, self.kernels = store.fmt, kernels
+        self.gate_up_proj = KernelMatrices(self.fmt, store.gate_up_proj)
+        self.down_proj = KernelMatrices(self.fmt, store.down_proj)
+        self.inter = store.down_proj.shape[2]
+        self.gate_up, self.down = store.gate_up, store.down
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def routed_step(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for the rows of x [N, H] (top_i, top_p [N, k])."""
+        out = np.zeros(tuple(x.shape), np.float32)
+        with _LOCK:
+            self.kernels.set_threads(torch.get_num_threads())
+            self.kernels.routed_step(self.FORMAT_CODES[self.fmt], self.inter, *self.gate_up_proj.arrays,
+                                     *self.down_proj.arrays, self.FP8_TABLE, x.detach().float().contiguous().numpy(),
+                                     top_i.contiguous().numpy(), top_p.detach().float().contiguous().numpy(), out)
+        return torch.from_numpy(out).to(x.dtype)
+
+
+def swap_in_kernels(text: nn.Module) -> None:
+    """Replaces each quantised CPU expert store of `text` by its KernelExperts, when kernels are enabled."""
+    if not kernels_enabled():
+        return
+    kernels = compiled_kernels()
+    for name, module in list(text.named_modules()):
+        if not (isinstance(module, QuantizedExperts) and module.fmt in KERNEL_FORMATS
+                and module.device.type == "cpu"):
+            continue
+        parent, _, leaf = name.rpartition(".")
+        setattr(text.get_submodule(parent), leaf, KernelExperts(module, kernels))

@@ -1,0 +1,111 @@
+"""One layer's routed-expert step on the CPU: torch's per-expert products vs the numba kernel (kernel_experts.py).
+
+    python bench/expert_step.py                       # int8 and FP8, 1 row, 2 threads
+    python bench/expert_step.py --rows 4 --formats int8
+
+The bench model's shapes (hidden 1024, moe_intermediate 512, 64 experts, top-8) with 16 layers of random weights in
+their own memory (copies of one layer: far more than the L3 cache holds), each step a random routing on the next
+layer, run through the model's own RoutedExperts.routed_experts with the store as loading makes it (torch) and with
+its KernelExperts swap (numba). Rounds interleave the two; each format's medians are printed as soon as it is done,
+with the weight bytes a step reads per second, next to the memory bandwidth measured in the same run (roofline.py:
+1 GiB fp32 sum).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: bench.*, a3b_core
+
+from a3b_core.backends.experts import QuantizedExperts  # noqa: E402
+from a3b_core.backends.kernel_experts import KernelExperts, compiled_kernels  # noqa: E402
+from a3b_core.models.layers import RoutedExperts  # noqa: E402
+from bench.roofline import measure_bandwidth  # noqa: E402
+
+HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 1024, 512, 64, 8, 16
+
+
+def random_store(fmt: str, g: torch.Generator) -> QuantizedExperts:
+    """A layer's experts in `fmt` with random contents (valid codes and scales; quantising real matrices would take
+    minutes and read no differently)."""
+    store = QuantizedExperts(fmt, EXPERTS, HIDDEN, INTER)
+    for stack in (store.gate_up_proj, store.down_proj):
+        raw = torch.randint(0, 256, stack.q.shape, generator=g, dtype=torch.uint8)
+        if fmt == "fp8":
+            raw[(raw & 0x7F) == 0x7F] = 0  # e4m3's NaN codes
+        stack.q.copy_(raw.view(stack.q.dtype))
+        stack.scale.copy_(torch.rand(stack.scale.shape, generator=g) * 0.01)
+    return store
+
+
+def store_bytes(store: torch.nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in [*store.parameters(), *store.buffers()])
+
+
+def time_steps(layers: list[RoutedExperts], rows: int, steps: int, g: torch.Generator) -> float:
+    """Seconds per layer-step, stepping through the layers with random routings."""
+    inputs = []
+    for _ in range(steps):
+        x = torch.randn(rows, HIDDEN, generator=g).bfloat16()
+        top_i = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP_K] for _ in range(rows)])
+        top_p = torch.softmax(torch.randn(rows, TOP_K, generator=g), -1).bfloat16()
+        inputs.append((x, top_i, top_p))
+    started = time.perf_counter()
+    for step, (x, top_i, top_p) in enumerate(inputs):
+        layers[step % len(layers)].routed_experts(x, top_i, top_p, decoding=True)
+    return (time.perf_counter() - started) / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--formats", default="int8,fp8")
+    parser.add_argument("--rows", type=int, default=1, help="rows per step: sequences decoded together")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=64, help="layer-steps per round and path")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    kernels = compiled_kernels()
+    if kernels is None:
+        sys.exit("numba is not installed or cannot compile the kernels")
+    g = torch.Generator().manual_seed(0)
+    cfg = SimpleNamespace(hidden_size=HIDDEN, num_experts=EXPERTS, moe_intermediate_size=INTER,
+                          num_experts_per_tok=TOP_K)
+    bandwidth = measure_bandwidth(args.threads)
+    print(f"{args.rows} row(s) per step, {args.threads} threads, hidden {HIDDEN}, moe_intermediate {INTER}, "
+          f"{EXPERTS} experts top-{TOP_K}, {LAYERS} layers; medians of {args.rounds} rounds")
+    print("| format | torch ms | torch GB/s | numba ms | numba GB/s | numba vs torch | bandwidth GB/s |")
+    print("|---|---|---|---|---|---|---|", flush=True)
+    for fmt in args.formats.split(","):
+        first = random_store(fmt, g)
+        stores = [first] + [copy.deepcopy(first) for _ in range(LAYERS - 1)]
+        step_bytes = store_bytes(first) * TOP_K / EXPERTS
+        with torch.device("meta"):
+            torch_layers = [RoutedExperts(cfg) for _ in stores]
+            kernel_layers = [RoutedExperts(cfg) for _ in stores]
+        for torch_layer, kernel_layer, store in zip(torch_layers, kernel_layers, stores):
+            torch_layer.experts = store
+            kernel_layer.experts = KernelExperts(store, kernels)
+        del first, stores
+        time_steps(torch_layers, args.rows, LAYERS, g)  # warm-up: page faults, first calls
+        time_steps(kernel_layers, args.rows, LAYERS, g)
+        timings: dict[str, list[float]] = {"torch": [], "numba": []}
+        for _ in range(args.rounds):
+            timings["torch"].append(time_steps(torch_layers, args.rows, args.steps, g))
+            timings["numba"].append(time_steps(kernel_layers, args.rows, args.steps, g))
+        del torch_layers, kernel_layers
+        t = {path: statistics.median(times) for path, times in timings.items()}
+        print(f"| {fmt} | {t['torch'] * 1e3:.3f} | {step_bytes / t['torch'] / 1e9:.1f} | {t['numba'] * 1e3:.3f} | "
+              f"{step_bytes / t['numba'] / 1e9:.1f} | {t['torch'] / t['numba']:.2f}x | {bandwidth / 1e9:.1f} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
