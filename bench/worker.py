@@ -110,7 +110,8 @@ def run_image_ttft(args) -> None:
 
 def run_video_ttft(args) -> None:
     """Time to first token for a 16-frame 384x384 clip (2 s at 8 frames per second, all 16 frames sampled: 8 frame
-    groups of 144 tokens) and 32 text tokens on the embedded demo model, video encoding included."""
+    groups, of 36 tokens on the demo model's 32-pixel patches) and 32 text tokens on the embedded demo model, video
+    encoding included."""
     from a3b_core import load_model
 
     model = load_model("a3b-demo", preset="cpu", compute_dtype=args.dtype)
