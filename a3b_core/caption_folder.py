@@ -6,20 +6,24 @@ memory. Each batch is one engine call (its prompts are decoded together). On a l
 has before its image (the chat format up to the image) are prefilled once per run, and each batch starts from them
 (generation.prefill_prefix); a remote server keeps its own prefix cache. A caption file is written atomically and
 only once its caption is complete, so a file that exists is finished: with `existing="skip"` a rerun, after a Stop,
-a crash or a power cut, carries on with the images that have none.
+a crash or a power cut, carries on with the images that have none. A run that changes existing files (overwrite,
+append, prepend) keeps a journal of what it wrote (_Journal), so that run again with the same settings it carries on
+too, and never adds a caption twice.
 
 `caption_folder` is an iterator of FolderProgress steps, so a caller can show progress and stop between batches;
 `should_stop` also ends a batch within one token (its unfinished captions are not written).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import string
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -40,6 +44,7 @@ TAGS_PROMPT = ("List what the image shows as comma-separated tags (subject, colo
                "most important first. Tags only.")
 TEMPLATE_FIELDS = ("name", "folder", "caption")
 CAPTION_SUFFIX = ".txt"
+RUN_JOURNAL = ".a3b-caption-run.jsonl"  # in the folder the captions go to, while a run that changes files is unfinished
 # Dataset captions: greedy (reproducible), and no presence penalty (a caption legitimately repeats "a", "of", ...).
 DEFAULT_GENERATION = GenerationOptions(max_new_tokens=160, temperature=0.0, presence_penalty=0.0)
 
@@ -311,11 +316,93 @@ def missing_phrases(text: str, required: Sequence[str]) -> tuple[str, ...]:
     return tuple(phrase for phrase in required if phrase.strip() and not _phrase_pattern(phrase).search(text))
 
 
+# ------------------------------------------------------------------------------------------------ journal
+class _Journal:
+    """What a run that changes existing caption files (overwrite / append / prepend) has written, for a rerun after a
+    Stop, crash or power cut: those files exist either way, so they cannot say which images are done. The first line
+    holds the run's settings; before each caption file is replaced, a line names it (relative to the folder the
+    captions go to) with the SHA-256 of its new bytes, flushed to disk. A rerun with the same settings skips every
+    image whose file holds exactly those bytes, and redoes one whose replacement never happened, so no caption is added
+    twice. A run that ends without a stop deletes the journal; different settings start a new one."""
+
+    def __init__(self, path: Path, settings: str):
+        self.path, self.settings = path, settings
+        self.done: dict[str, str] = {}
+
+    @classmethod
+    def resume(cls, path: Path, settings: str) -> _Journal:
+        """The journal at `path`, continued when it was written with `settings`, else started afresh."""
+        journal = cls(path, settings)
+        lines = cls._read_lines(path)
+        if lines and lines[0].get("settings") == settings:
+            journal.done = {e["file"]: e["sha256"] for e in lines[1:] if isinstance(e.get("file"), str)
+                            and isinstance(e.get("sha256"), str)}
+        else:
+            journal._append({"settings": settings}, mode="w")
+        return journal
+
+    @staticmethod
+    def _read_lines(path: Path) -> list[dict]:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return []
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: the journal of an unfinished caption run cannot be read ({exc}). Delete it to "
+                              "start the run afresh (captions already added will then be added again).") from exc
+        entries = []
+        for line in text.splitlines():
+            try:
+                entry = json.loads(line)
+            except json.JSONDecodeError:  # the line a crash cut short: its file was never replaced
+                continue
+            if isinstance(entry, dict):
+                entries.append(entry)
+        return entries
+
+    def is_done(self, key: str, caption_file: Path) -> bool:
+        want = self.done.get(key)
+        return want is not None and caption_file.is_file() and _sha256(caption_file.read_bytes()) == want
+
+    def record(self, key: str, data: bytes) -> None:
+        self._append({"file": key, "sha256": _sha256(data)})
+
+    def _append(self, entry: dict, mode: str = "a") -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.path, mode, encoding="utf-8", newline="\n") as file:
+                file.write(json.dumps(entry, sort_keys=True) + "\n")
+                file.flush()
+                os.fsync(file.fileno())
+        except OSError as exc:
+            raise ConfigError(f"{self.path}: cannot be written ({exc.strerror or exc}). Check that the folder the "
+                              "captions go to is one you can write to, or pick another output folder.") from exc
+
+    def finish(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _run_settings(job: FolderJob, request: str) -> str:
+    """What decides the text a run writes: a rerun resumes a journal only when these are unchanged."""
+    return json.dumps({"existing": job.existing, "preset": job.preset, "request": request,
+                       "shaping": asdict(job.shaping)}, sort_keys=True)
+
+
+def _caption_bytes(text: str) -> bytes:
+    """The bytes write_text_atomic writes for a caption file's text."""
+    return (text + "\n").encode("utf-8")
+
+
 # --------------------------------------------------------------------------------------------------- a run
 @dataclass
 class _Task:
     image: Path
     caption_file: Path
+    key: str  # the caption file's path relative to the folder the captions go to, as the journal names it
     existing: str = ""  # the caption file's text, for append / prepend
 
 
@@ -339,28 +426,35 @@ def caption_folder(model: A3BModel, job: FolderJob,
     check_job(job)
     stop = should_stop or (lambda: False)
     root = job.folder.resolve()
-    write_root = (job.output_dir if job.output_dir is not None else root).resolve()
+    captions_root = job.output_dir if job.output_dir is not None else root
+    write_root = captions_root.resolve()
     started = time.perf_counter()
+    request = caption_request(model, job)
     images, refused = list_images(job)
     pairs = [(image, caption_path(job, root, image)) for image in images]
     _check_unique_caption_files(pairs)
+    journal = None
+    if job.existing != "skip" and not job.dry_run:
+        journal = _Journal.resume(captions_root / RUN_JOURNAL, _run_settings(job, request))
     total = len(images) + len(refused)
     upfront: list[ImageOutcome] = list(refused)
     tasks: list[_Task] = []
     for image, caption in pairs:
+        key = caption.relative_to(captions_root).as_posix()
         refusal = _refusal(caption, write_root)
         if refusal:
             upfront.append(ImageOutcome(image, caption, "refused", detail=refusal))
         elif caption.exists() and job.existing == "skip":
             upfront.append(ImageOutcome(image, caption, "skipped"))
+        elif journal is not None and journal.is_done(key, caption):
+            upfront.append(ImageOutcome(image, caption, "skipped", detail="done by the unfinished run"))
         else:
-            tasks.append(_Task(image, caption))
+            tasks.append(_Task(image, caption, key))
     if job.dry_run:
         tasks = tasks[:job.dry_run]
         total = len(upfront) + len(tasks)
     step = FolderProgress(total, len(upfront), upfront, to_caption=len(tasks), seconds=time.perf_counter() - started)
     yield step
-    request = caption_request(model, job)
     batches = [tasks[i:i + job.batch_size] for i in range(0, len(tasks), job.batch_size)]
     prefix: SharedPrefix | None = None  # made from the first batch's prompts
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="a3b-images") as pool:
@@ -372,12 +466,18 @@ def caption_folder(model: A3BModel, job: FolderJob,
                 _cancel(ahead)
                 yield _next(step, [], started, stopped=True)
                 return
-            outcomes, stopped, tokens, seconds, prefix = _caption_batch(model, job, request, prepared, stop, prefix)
+            outcomes, stopped, tokens, seconds, prefix = _caption_batch(model, job, request, prepared, stop, prefix,
+                                                                        journal)
             step = _next(step, outcomes, started, stopped=stopped, tokens=tokens, generation_s=seconds)
-            yield step
             if stopped:
+                yield step
                 _cancel(ahead)
                 return
+            if number + 1 == len(batches) and journal is not None:
+                journal.finish()
+            yield step
+    if not batches and journal is not None:
+        journal.finish()
 
 
 def _cancel(future: Future | None) -> None:
@@ -415,7 +515,7 @@ def _prepare(model: A3BModel, job: FolderJob, batch: list[_Task]) -> list[_Prepa
 
 
 def _caption_batch(model: A3BModel, job: FolderJob, request: str, prepared: list[_Prepared],
-                   stop: Callable[[], bool], prefix: SharedPrefix | None
+                   stop: Callable[[], bool], prefix: SharedPrefix | None, journal: _Journal | None
                    ) -> tuple[list[ImageOutcome], bool, int, float, SharedPrefix | None]:
     """One batch through the model and into its files: (outcomes, stopped, new tokens, seconds in the model, the
     run's shared prefix: `prefix`, or made from this batch on a local model)."""
@@ -440,18 +540,20 @@ def _caption_batch(model: A3BModel, job: FolderJob, request: str, prepared: list
             if result.stop_reason == "cancelled":  # an unfinished caption is never written
                 stopped = True
                 continue
-            outcomes[id(item)] = _finish(job, item.task, result.text, tags)
+            outcomes[id(item)] = _finish(job, item.task, result.text, tags, journal)
     ordered = [outcomes[id(p)] for p in prepared if id(p) in outcomes]
     return ordered, stopped, tokens, seconds, prefix
 
 
-def _finish(job: FolderJob, task: _Task, caption: str, tags: bool) -> ImageOutcome:
+def _finish(job: FolderJob, task: _Task, caption: str, tags: bool, journal: _Journal | None) -> ImageOutcome:
     shaping = job.shaping
     new = shape_caption(caption, shaping, tags, task.image.stem, task.image.parent.name)
     text = combined(task.existing, new, job.existing, shaping, tags)
     missing = missing_phrases(text, shaping.require)
     if job.dry_run:
         return ImageOutcome(task.image, task.caption_file, "dry run", text, missing=missing)
+    if journal is not None:
+        journal.record(task.key, _caption_bytes(text))
     if not write_text_atomic(task.caption_file, text + "\n", overwrite=job.existing != "skip"):
         return ImageOutcome(task.image, task.caption_file, "skipped")  # written by someone else meanwhile
     return ImageOutcome(task.image, task.caption_file, "written", text, missing=missing)
@@ -464,7 +566,7 @@ def summary(outcomes: Sequence[ImageOutcome], stopped: bool = False) -> str:
         counts[outcome.status] = counts.get(outcome.status, 0) + 1
     lines = [", ".join(f"{count} {status}" for status, count in counts.items()) or "no images found"]
     if stopped:
-        lines[0] += " (stopped; run again with existing=skip to carry on)"
+        lines[0] += " (stopped; run it again with the same settings to carry on)"
     for outcome in outcomes:
         if outcome.status in ("unreadable", "refused"):
             lines.append(f"{outcome.status}: {outcome.image}: {outcome.detail}")

@@ -66,7 +66,7 @@ class A3BCaptionFolder(io.ComfyNode):
             category=CATEGORY,
             description="Captions every image of a folder (a LoRA dataset) into one .txt per image, a batch at a "
                         "time, so thousands of images take no more memory than one batch. A caption file is written "
-                        "only when complete: after Stop, run again with existing = skip to carry on.",
+                        "only when complete: after Stop, run it again with the same settings to carry on.",
             is_output_node=True,
             inputs=[
                 ModelWire.Input("model", tooltip="From A3B Model Loader."),
@@ -88,7 +88,8 @@ class A3BCaptionFolder(io.ComfyNode):
                 io.Combo.Input("existing", options=list(EXISTING_POLICIES), default="skip",
                                tooltip="An image that already has a caption file. skip: keep it (a rerun carries on "
                                        "where a stopped run ended). overwrite: replace it. append / prepend: add the "
-                                       "new caption after / before what the file holds (on every run)."),
+                                       "new caption after / before what the file holds, once per run: a stopped run "
+                                       "run again with the same settings carries on without adding twice."),
                 io.String.Input("trigger_word", default="",
                                 tooltip="Optional LoRA trigger word written first in every caption, followed by "
                                         "', '."),

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from a3b_core.__main__ import main
-from a3b_core.caption_folder import (TAGS_PROMPT, FolderJob, FolderProgress, Shaping, caption_folder, caption_request,
-                                     check_shaping, combined, run_to_end, shape_caption, summary)
+from a3b_core.caption_folder import (RUN_JOURNAL, TAGS_PROMPT, FolderJob, FolderProgress, Shaping, caption_folder,
+                                     caption_request, check_shaping, combined, run_to_end, shape_caption, summary)
 from a3b_core.demo import dataset
 from a3b_core.engine import load_model
 from a3b_core.errors import ConfigError
@@ -168,6 +168,65 @@ def test_a_stop_within_a_batch_writes_none_of_its_unfinished_captions(tmp_path, 
     assert not [p for p in data.rglob("*") if p.name.startswith(".a3b-")]  # no temporary files left
     run_to_end(model, job(data))
     assert captions_of(data) == captions_of(whole)
+
+
+def _hand_written(data: Path) -> None:
+    for name in IMAGES:
+        (data / name).with_suffix(".txt").write_text("hand written\n")
+
+
+def _stop_after_the_first_batch(model, folder_job: FolderJob) -> list[FolderProgress]:
+    stop = False
+    steps = []
+    for step in caption_folder(model, folder_job, should_stop=lambda: stop):
+        steps.append(step)
+        stop = any(o.status == "written" for o in step.outcomes)
+    assert steps[-1].stopped
+    return steps
+
+
+@pytest.mark.parametrize("policy", ["append", "prepend", "overwrite"])
+def test_a_stopped_run_that_changes_files_resumes_without_adding_a_caption_twice(tmp_path, model_fp32, policy):
+    model = model_fp32
+    whole = make_dataset(tmp_path / "whole")
+    _hand_written(whole)
+    run_to_end(model, job(whole, existing=policy))
+    assert not (whole / RUN_JOURNAL).exists()  # a finished run leaves no journal
+    data = make_dataset(tmp_path / "stopped")
+    _hand_written(data)
+    _stop_after_the_first_batch(model, job(data, existing=policy))
+    assert (data / RUN_JOURNAL).exists()
+    first, *rest = caption_folder(model, job(data, existing=policy))
+    assert [(o.image.name, o.status) for o in first.outcomes] == [("knight one.png", "skipped")]
+    for _ in rest:
+        pass
+    assert captions_of(data) == captions_of(whole)
+    assert not (data / RUN_JOURNAL).exists()
+
+
+def test_a_caption_whose_file_was_never_replaced_is_redone_once(tmp_path, model_fp32):
+    """A crash after the journal named a file but before the file was replaced, and a journal line cut short."""
+    model = model_fp32
+    whole = make_dataset(tmp_path / "whole")
+    _hand_written(whole)
+    run_to_end(model, job(whole, existing="append"))
+    data = make_dataset(tmp_path / "crashed")
+    _hand_written(data)
+    _stop_after_the_first_batch(model, job(data, existing="append"))
+    (data / "knight one.txt").write_text("hand written\n")  # the replacement that never happened
+    with open(data / RUN_JOURNAL, "a", encoding="utf-8") as journal:
+        journal.write('{"file": "zebra.txt", "sha')
+    run_to_end(model, job(data, existing="append"))
+    assert captions_of(data) == captions_of(whole)
+
+
+def test_a_rerun_with_other_settings_starts_a_new_journal(tmp_path, model):
+    data = make_dataset(tmp_path)
+    _hand_written(data)
+    _stop_after_the_first_batch(model, job(data, existing="append"))
+    first = next(caption_folder(model, job(data, existing="append", shaping=Shaping(trigger="pxl"))))
+    assert not [o for o in first.outcomes if o.status == "skipped"]
+    assert "pxl" in (data / RUN_JOURNAL).read_text().splitlines()[0]
 
 
 # --- existing caption files --------------------------------------------------------------------------------------
