@@ -10,6 +10,11 @@ from a3b_core.textfiles import write_text_atomic
 
 NAME_MAX = 255  # bytes in one file name: the limit of ext4, XFS, btrfs, APFS and NTFS alike
 SUFFIX = ".txt"
+# Names Windows gives another meaning (refused everywhere, so a caption folder copies to any system): characters it
+# does not allow in a file name (':' would write into a hidden stream of another file), and device names, which stay
+# devices whatever extension follows.
+WINDOWS_FORBIDDEN = '<>:"|?*'
+WINDOWS_DEVICES = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)), *(f"LPT{i}" for i in range(1, 10))}
 
 
 def save_captions(output_root: str | Path, captions: Sequence[str], subfolder: str, names: str, prefix: str,
@@ -81,6 +86,15 @@ def _check_file_name(name: str, what: str) -> None:
     if "/" in name or "\\" in name or PureWindowsPath(name).drive:
         raise ConfigError(f"{what} must be a plain name, without folders, drive letters or '..'; it gives the file "
                           f"name {name!r}. Put folders into 'subfolder' instead.")
+    forbidden = [char for char in name if char in WINDOWS_FORBIDDEN]
+    if forbidden:
+        raise ConfigError(f"{what} gives the file name {name!r}, which holds {forbidden[0]!r}; Windows allows none of "
+                          f"{' '.join(WINDOWS_FORBIDDEN)} in a file name. Remove it from the name.")
+    device = name.split(".")[0].rstrip(" ").upper()
+    if device in WINDOWS_DEVICES:
+        raise ConfigError(f"{what} gives the file name {name!r}, which Windows reads as the device {device} "
+                          f"(CON, PRN, AUX, NUL, COM1-9 and LPT1-9 are devices there). Rename it, e.g. "
+                          f"'{device.lower()}_image'.")
     size = len(os.fsencode(name))
     if size > NAME_MAX:
         raise ConfigError(f"{what} gives a file name of {size} bytes, over the file system's limit of {NAME_MAX} "

@@ -4,6 +4,7 @@ is a ConfigError that names the input and the fix."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -94,6 +95,21 @@ def test_names_lines_keep_only_the_file_name(output: Path, line: str) -> None:
 
 def test_a_drive_letter_left_in_a_names_line_is_refused(output: Path) -> None:
     refused(output, "names line 1.*drive letters", names="x/C:victim.png")  # "C:victim.txt" leaves on Windows
+
+
+@pytest.mark.parametrize("line, needle", [("scene 1: intro.png", "':'"), ("what?.png", "'\\?'"),
+                                         ("a|b.png", "'\\|'"), ("con.png", "device CON"), ("Aux.jpg", "device AUX"),
+                                         ("lpt1.png", "device LPT1"), ("nul.tar.png", "device NUL")])
+def test_a_name_windows_reads_otherwise_is_refused(output: Path, line: str, needle: str) -> None:
+    message = refused(output, "names line 1", names=line)
+    assert re.search(needle, message) and "Windows" in message
+    assert tree(output) == {}
+
+
+def test_a_filename_prefix_that_windows_cannot_name_is_refused(output: Path) -> None:
+    assert "Windows" in refused(output, "filename_prefix", prefix="shot:1")
+    save(output, ["a knight"], prefix="console")  # only the device names themselves are devices
+    assert tree(output) == {"caps": "folder", "caps/console_00001.txt": "a knight\n"}
 
 
 def test_a_link_at_the_caption_file_pointing_out_is_refused(output: Path) -> None:
