@@ -50,9 +50,10 @@ class GenerationResult:
     text: str  # the answer (thinking mode: after </think>; non-thinking: any stray think block removed)
     reasoning: str  # what the model wrote inside its think block ("" when there was none)
     token_ids: list[int]  # generated tokens only, forced ones and a final end token included
-    # prompt_tokens, new_tokens, stop_reason, batch_size, ttft_s, prefill_tok_s, decode_tok_s (all rows of a batch),
-    # kv_cache_bytes (the call's whole cache), peak_memory_bytes with peak_memory_kind: "cuda_allocated" (this call)
-    # or "process_peak_rss" (the process so far; CPU)
+    # prompt_tokens, new_tokens, stop_reason, batch_size, ttft_s, prefill_tok_s (the tokens this call prefilled, a
+    # shared prefix's not counted), decode_tok_s (all rows of a batch), kv_cache_bytes (the call's whole cache),
+    # peak_memory_bytes with peak_memory_kind: "cuda_allocated" (this call) or "process_peak_rss" (the process so
+    # far; CPU)
     stats: dict = field(default_factory=dict)
     stop_reason: str = ""  # "eos" | "stop_string" | "max_new_tokens" | "cancelled"
 
@@ -426,7 +427,8 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
             raise _non_finite_scores(model)
         if step == 0:
             stats["ttft_s"] = time.perf_counter() - started
-            stats["prefill_tok_s"] = sum(lengths) / stats["ttft_s"]
+            reused = len(prefix.ids) * len(requests) if prefix is not None else 0  # tokens not prefilled here
+            stats["prefill_tok_s"] = (sum(lengths) - reused) / stats["ttft_s"]
         chosen = [rows[r].choose(s) for r, s in zip(active, sampled)]
         tokens = torch.tensor(chosen)  # in RAM: the embedding lookup and the sampler take them from there
         sampler.observe(chosen)

@@ -133,6 +133,17 @@ def test_int8_cache_with_a_prefix_equals_int8_without(models):
     assert [r.token_ids for r in got] == [r.token_ids for r in expected]
 
 
+def test_prefill_speed_counts_only_the_tokens_prefilled_after_the_prefix(models):
+    model = models["qwen3_5_moe"]
+    prompts = image_prompts(model)
+    prefix = prefill_prefix(model, model.text_before_images(prompts[0]))
+    stats = generate_batch(model, prompts, max_new_tokens=2, temperature=0, shared_prefix=prefix)[0].stats
+    prefilled = sum(len(p.input_ids) - len(prefix.ids) for p in prompts)
+    assert stats["prefill_tok_s"] * stats["ttft_s"] == pytest.approx(prefilled)
+    whole = generate_batch(model, prompts, max_new_tokens=2, temperature=0)[0].stats
+    assert whole["prefill_tok_s"] * whole["ttft_s"] == pytest.approx(sum(len(p.input_ids) for p in prompts))
+
+
 def test_a_folder_run_prefills_its_prefix_once(tmp_path: Path):
     model = load_model("a3b-demo")
     folder = tmp_path / "images"
