@@ -7,7 +7,7 @@ folder.
                                                            # RSS over 2,000 images
     python bench/caption_folder.py --images 20 --rss-images 40 --rounds 1 --bench-model small   # a smoke run
     python bench/caption_folder.py --model models/LLM/X --bench-model none    # any vision-language model folder
-    python bench/caption_folder.py --images 0 --bench-model none              # the memory run alone
+    python bench/caption_folder.py --images 0                                 # the memory run alone
 
 The images are demo scenes (the demo model's own generator) written once into a temporary folder. The modes run
 interleaved for `--rounds` rounds, each into its own fresh caption folder, and the median is reported. The RSS run
@@ -99,7 +99,7 @@ def main() -> int:
     args = parser.parse_args()
 
     models = [args.model]
-    if args.bench_model != "none":
+    if args.bench_model != "none" and args.images:  # the bench model is in the speed run only
         models.append(str(checkpoint_folder(small=args.bench_model == "small", vision=True)))
     generation = GenerationOptions(max_new_tokens=args.max_new_tokens, temperature=0.0, presence_penalty=0.0)
     work = Path(tempfile.mkdtemp(prefix="a3b-caption-bench-"))
