@@ -28,10 +28,13 @@ class EncodedImages:
     grids: list[tuple[int, int, int]]  # per item (t, gh, gw) in patches: t is 1 for an image, a video's frame groups
     timestamps: list[tuple[float, ...] | None] = field(default_factory=list)  # per item: a video's, None for an image
     sources: list[ImageSource] | None = None  # per item, when all are images encode_images made (it keeps them)
+    names: list[str | None] = field(default_factory=list)  # per item: the file name it was read from, when known
 
     def __post_init__(self) -> None:
         if not self.timestamps:
             self.timestamps = [None] * len(self.embeds)
+        if not self.names:
+            self.names = [None] * len(self.embeds)
 
     def __len__(self) -> int:
         return len(self.embeds)
@@ -40,12 +43,12 @@ class EncodedImages:
         if isinstance(index, int):
             index = slice(index, index + 1 if index != -1 else None)
         return EncodedImages(self.embeds[index], self.grids[index], self.timestamps[index],
-                             self.sources[index] if self.sources is not None else None)
+                             self.sources[index] if self.sources is not None else None, self.names[index])
 
     def __add__(self, other: "EncodedImages") -> "EncodedImages":
         known = self.sources is not None and other.sources is not None
         return EncodedImages(self.embeds + other.embeds, self.grids + other.grids, self.timestamps + other.timestamps,
-                             self.sources + other.sources if known else None)
+                             self.sources + other.sources if known else None, self.names + other.names)
 
     @property
     def token_counts(self) -> list[int]:

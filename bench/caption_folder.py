@@ -7,6 +7,7 @@ folder.
                                                            # RSS over 2,000 images
     python bench/caption_folder.py --images 20 --rss-images 40 --rounds 1 --bench-model small   # a smoke run
     python bench/caption_folder.py --model models/LLM/X --bench-model none    # any vision-language model folder
+    python bench/caption_folder.py --images 0                                 # the memory run alone
 
 The images are demo scenes (the demo model's own generator) written once into a temporary folder. The modes run
 interleaved for `--rounds` rounds, each into its own fresh caption folder, and the median is reported. The RSS run
@@ -90,7 +91,7 @@ def main() -> int:
     parser.add_argument("--bench-model", choices=("full", "small", "none"), default="full",
                         help="also the random benchmark model under a vision tower (bench_model.py --vision): the "
                              "1.8B one, its small stand-in, or none")
-    parser.add_argument("--images", type=int, default=200, help="images per mode and round")
+    parser.add_argument("--images", type=int, default=200, help="images per mode and round (0: no speed run)")
     parser.add_argument("--batch-size", type=int, default=8, help="images per request in the batched mode")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rss-images", type=int, default=2000, help="images in the memory run (0: none)")
@@ -98,19 +99,20 @@ def main() -> int:
     args = parser.parse_args()
 
     models = [args.model]
-    if args.bench_model != "none":
+    if args.bench_model != "none" and args.images:  # the bench model is in the speed run only
         models.append(str(checkpoint_folder(small=args.bench_model == "small", vision=True)))
     generation = GenerationOptions(max_new_tokens=args.max_new_tokens, temperature=0.0, presence_penalty=0.0)
     work = Path(tempfile.mkdtemp(prefix="a3b-caption-bench-"))
     try:
-        speed = work / "speed"
-        write_scenes(speed, args.images)
         first = load_model(models[0])
-        speed_table(first, models[0], speed, work, args, generation)
-        for name in models[1:]:
-            model = load_model(name)
-            speed_table(model, name, speed, work, args, generation)
-            model.release()
+        if args.images:
+            speed = work / "speed"
+            write_scenes(speed, args.images)
+            speed_table(first, models[0], speed, work, args, generation)
+            for name in models[1:]:
+                model = load_model(name)
+                speed_table(model, name, speed, work, args, generation)
+                model.release()
         if args.rss_images:
             model = first
             write_scenes(work / "rss", args.rss_images)

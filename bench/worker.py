@@ -2,8 +2,8 @@
 
     python bench/worker.py ours --model DIR --dtype bfloat16 --format int4 --prefill 512 --decode 128
     python bench/worker.py transformers --model DIR --dtype float32 --prefill 512 --decode 128
-    python bench/worker.py image-ttft
-    python bench/worker.py video-ttft
+    python bench/worker.py image-ttft [--model DIR]
+    python bench/worker.py video-ttft [--model DIR]
     python bench/worker.py profile --model DIR --dtype bfloat16 --format auto --decode 16
     python bench/worker.py bandwidth
 
@@ -94,14 +94,19 @@ def run_profile(args) -> None:
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=args.top))
 
 
-def run_image_ttft(args) -> None:
-    """Time to first token for one 384x384 image and 32 text tokens on the embedded demo model, image encoding
-    included (what a ComfyUI caption run waits for)."""
-    from PIL import Image, ImageDraw
-
+def load_vision_model(args):
+    """`--model` (a vision-language model folder), else the embedded demo model, with every weight exact."""
     from a3b_core import load_model
 
-    model = load_model("a3b-demo", preset="cpu", compute_dtype=args.dtype)
+    return load_model(args.model or "a3b-demo", preset="cpu", compute_dtype=args.dtype)
+
+
+def run_image_ttft(args) -> None:
+    """Time to first token for one 384x384 image and 32 text tokens, image encoding included (what a ComfyUI caption
+    run waits for)."""
+    from PIL import Image, ImageDraw
+
+    model = load_vision_model(args)
     image = Image.new("RGB", (384, 384), (20, 60, 230))
     ImageDraw.Draw(image).ellipse((100, 100, 260, 260), fill=(220, 20, 20))
     seconds, text_tokens, image_tokens = first_token_seconds(model, lambda: model.encode_images([image]))
@@ -110,11 +115,9 @@ def run_image_ttft(args) -> None:
 
 def run_video_ttft(args) -> None:
     """Time to first token for a 16-frame 384x384 clip (2 s at 8 frames per second, all 16 frames sampled: 8 frame
-    groups, of 36 tokens on the demo model's 32-pixel patches) and 32 text tokens on the embedded demo model, video
+    groups, of 36 tokens on the demo model's 32-pixel patches, 144 on 16-pixel ones) and 32 text tokens, video
     encoding included."""
-    from a3b_core import load_model
-
-    model = load_model("a3b-demo", preset="cpu", compute_dtype=args.dtype)
+    model = load_vision_model(args)
     y, x = torch.meshgrid(torch.arange(384), torch.arange(384), indexing="ij")
     frames = torch.full((VIDEO_FRAMES, 384, 384, 3), 230, dtype=torch.uint8)
     for index in range(VIDEO_FRAMES):  # a red disc crossing the frame
@@ -198,7 +201,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("system", choices=["ours", "transformers", "image-ttft", "video-ttft", "profile",
                                            "bandwidth"])
-    parser.add_argument("--model", type=Path)
+    parser.add_argument("--model", type=Path, help="the model folder (image-ttft, video-ttft: default the demo model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--format", default="auto", help="our routed-expert format: auto|fp32|bf16|fp8|int8|int4")
     parser.add_argument("--prefill", type=int, default=512)

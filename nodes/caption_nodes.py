@@ -34,7 +34,8 @@ class A3BSaveCaptions(io.ComfyNode):
                                         "missing. Relative only: absolute paths and '..' are refused."),
                 io.String.Input("names", multiline=True, default="",
                                 tooltip="The images' file names, one per line in batch order: caption i is saved as "
-                                        "<stem of line i>.txt. Leave empty to number the files instead."),
+                                        "<stem of line i>.txt (or connect A3B Video Encode's names). Leave empty "
+                                        "to number the files instead."),
                 io.String.Input("filename_prefix", default="caption",
                                 tooltip="Used when names is empty: files are <prefix>_00001.txt, <prefix>_00002.txt, "
                                         "... A plain name: folders go into subfolder."),

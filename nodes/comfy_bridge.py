@@ -20,7 +20,7 @@ try:
     import comfy.model_patcher
     import comfy.utils
     import folder_paths
-    from comfy_api.latest import ComfyExtension, io, ui
+    from comfy_api.latest import ComfyExtension, InputImpl, io, ui
     from server import PromptServer
 except ImportError:  # not running inside ComfyUI
     IN_COMFYUI = False
@@ -98,6 +98,15 @@ def video_frames(video) -> tuple[torch.Tensor, float]:
         raise VideoError(f"the VIDEO input cannot be decoded ({type(exc).__name__}: {exc}); the file is corrupt or not "
                          "a video. Re-export it (e.g. as H.264 mp4) or pick another file.") from exc
     return components.images, float(components.frame_rate)
+
+
+def video_file_name(video) -> str | None:
+    """The file name of a ComfyUI VIDEO read from a file (Load Video gives a VideoFromFile of the file's path), else
+    None (a clip built from frames, or read from memory)."""
+    if not IN_COMFYUI or not isinstance(video, InputImpl.VideoFromFile):
+        return None  # other VIDEOs' get_stream_source() would encode the whole clip into memory
+    source = video.get_stream_source()
+    return os.path.basename(source) if isinstance(source, str) else None
 
 
 def engine_device() -> torch.device:

@@ -8,7 +8,7 @@ from a3b_core.video import DEFAULT_FPS, MAX_FRAME_TOKENS, MAX_FRAMES
 
 from .comfy_bridge import io
 from .model_handle import A3BModelHandle
-from .video_batch import encode_clips
+from .video_batch import encode_clips, item_names
 from .wires import ImagesWire, ModelWire
 
 CATEGORY = "A3B"
@@ -46,7 +46,11 @@ class A3BVideoEncode(io.ComfyNode):
                                          "another A3B Video Encode), to mix images and videos in one prompt."),
             ],
             outputs=[ImagesWire.Output(display_name="images",
-                                       tooltip="The encoded clips (after any connected 'images'), for A3B Prompt.")],
+                                       tooltip="The encoded clips (after any connected 'images'), for A3B Prompt."),
+                     io.String.Output(display_name="names",
+                                      tooltip="One name per item of 'images', for A3B Save Captions' names: a clip "
+                                              "from Load Video is named after its file; others by their place, "
+                                              "e.g. clip_00002.")],
         )
 
     @classmethod
@@ -54,4 +58,4 @@ class A3BVideoEncode(io.ComfyNode):
                 video: Any = None, frames: Any = None, images: EncodedImages | None = None) -> io.NodeOutput:
         encoded, summary = encode_clips(model.acquire(), video, frames, frame_rate, images, fps=fps,
                                         max_frames=max_frames, max_frame_tokens=max_frame_tokens)
-        return io.NodeOutput(encoded, ui={"a3b_tokens": [summary]})  # shown on the node by web/js/a3b.js
+        return io.NodeOutput(encoded, item_names(encoded), ui={"a3b_tokens": [summary]})  # shown on the node by web/js/a3b.js

@@ -18,7 +18,8 @@ from a3b_core.prompt import Turn, VideoTokens
 from a3b_core.tokenizer import Tokenizer
 from a3b_core.video import _read_with_opencv, read_video
 from nodes.prompt_spec import PER_IMAGE, PromptSpec, build_prompts
-from nodes.video_batch import encode_clips
+from nodes.captions import caption_stems
+from nodes.video_batch import encode_clips, item_names
 from tests import tiny_models as tm
 from tests.test_bad_inputs import FIX
 from tests.test_prompt import official_template, official_text
@@ -294,6 +295,20 @@ def test_video_encode_appends_clips_after_the_connected_images(family, fixtures)
                       f"{alone.timestamps[0][-1]:.1f} s"
     fewer, _ = encode_clips(model, None, frames, 8.0, None, fps=6.0, max_frames=4, max_frame_tokens=768)
     assert fewer.grids[0][0] == 2  # the max_frames widget acts
+
+
+def test_video_encode_names_each_item_for_save_captions(family, fixtures):
+    model, _ = family
+    images = model.encode_images(fixtures.wide_image, resize="native")
+    frames = torch.from_numpy(clip(4, 64, 64)).float() / 255
+    encoded, _ = encode_clips(model, None, frames, 8.0, images)  # frames carry no file name: named by place
+    assert item_names(encoded) == "image_00001\nclip_00002"
+    walk = model.encode_video(frames, frame_rate=8.0)
+    walk.names = ["walk cycle.mp4"]  # as A3B Video Encode names a clip Load Video read from a file
+    both = encoded + walk  # a chain of Video Encode nodes keeps every item's name, in order
+    assert item_names(both) == "image_00001\nclip_00002\nwalk cycle.mp4"
+    assert both[2].names == ["walk cycle.mp4"] and both[:2].names == [None, None]
+    assert caption_stems(item_names(both), 3, "caption") == ["image_00001", "clip_00002", "walk cycle"]
 
 
 def test_video_encode_needs_a_clip_and_names_the_input(family):

@@ -56,6 +56,17 @@ def load_api_workflow(name: str, model: str = TINY_MODEL) -> dict:
     return graph
 
 
+def caption_file_names(graph: dict, save_id: str) -> list[str]:
+    """The file names A3B Save Captions `save_id` of an API graph names its caption files after: the lines of its
+    names text, or, when names comes from A3B Video Encode, the file of the Load Video that feeds it."""
+    names = graph[save_id]["inputs"]["names"]
+    if isinstance(names, str):
+        return [line for line in names.splitlines() if line.strip()]
+    encode = graph[names[0]]
+    assert encode["class_type"] == "A3BVideoEncode" and names[1] == 1, names
+    return [graph[encode["inputs"]["video"][0]]["inputs"]["file"]]
+
+
 def error_message(entry: dict) -> str:
     """The exception message ComfyUI recorded for a failed prompt ('' if none)."""
     for kind, data in entry["status"]["messages"]:

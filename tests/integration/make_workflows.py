@@ -107,7 +107,8 @@ PIXEL_ART_LORA_CAPTIONING = {
     "links": [["loader", 0, "caption", "model"], ["caption", 1, "preview", "source"]],
 }
 
-# One caption per clip (per-image mode), saved as <clip name>.txt: the layout video LoRA trainers read.
+# One caption per clip (per-image mode), saved as <clip name>.txt (Video Encode's names output names the clip after
+# its file): the layout video LoRA trainers read.
 VIDEO_LORA_CAPTIONING = {
     "nodes": {
         "loader": _LOADER,
@@ -121,11 +122,11 @@ VIDEO_LORA_CAPTIONING = {
         "generate": {"type": "A3BGenerate", "pos": [890, 60], "size": [380, 700], "widgets": {
             "mode": "per image", "max_new_tokens": 160, "seed": 7, "control_after_generate": "fixed"}},
         "save": {"type": "A3BSaveCaptions", "pos": [1310, 60], "size": [330, 380], "widgets": {
-            "names": CLIP_NAME, "subfolder": "a3b_captions/video", "if_exists": "overwrite"}},
+            "subfolder": "a3b_captions/video", "if_exists": "overwrite"}},
     },
     "links": [["loader", 0, "encode", "model"], ["video", 0, "encode", "video"], ["encode", 0, "prompt", "images"],
               ["loader", 0, "generate", "model"], ["prompt", 0, "generate", "prompt"],
-              ["generate", 0, "save", "captions"]],
+              ["generate", 0, "save", "captions"], ["encode", 1, "save", "names"]],
 }
 
 SPECS = {"comic_storyboard": COMIC_STORYBOARD, "multi_angle_captioning": MULTI_ANGLE_CAPTIONING,

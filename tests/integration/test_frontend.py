@@ -14,8 +14,8 @@ import pytest
 from a3b_core.demo.train import DEMO_DIR
 from a3b_core.tokenizer import Tokenizer
 from tests.integration.comfy_server import CHROMIUM, NODE_MODULES, PACK_NAME, ComfyServer
-from tests.integration.conftest import (TEST_MAX_NEW_TOKENS, TINY_MODEL, WORKFLOWS, error_message,
-                                        load_api_workflow)
+from tests.integration.conftest import (TEST_MAX_NEW_TOKENS, TINY_MODEL, WORKFLOWS, caption_file_names,
+                                        error_message, load_api_workflow)
 
 pytestmark = pytest.mark.comfyui
 
@@ -110,8 +110,8 @@ def test_ui_workflows_run_and_stream_onto_the_generate_node(comfy: ComfyServer, 
                 assert history["outputs"][node_id]["a3b_saved"] in (["4 written"], ["4 skipped"]), name
             if node["class_type"] == "A3BSaveCaptions":  # one caption file per image or clip, named after it
                 folder = comfy.output_dir / node["inputs"]["subfolder"]
-                for line in node["inputs"]["names"].splitlines():
-                    assert (folder / f"{line.rsplit('.', 1)[0]}.txt").read_text().strip(), f"{name}: {line}"
+                for file_name in caption_file_names(entry["apiPrompt"], node_id):
+                    assert (folder / f"{file_name.rsplit('.', 1)[0]}.txt").read_text().strip(), f"{name}: {file_name}"
         assert all(plan for plan in entry["planShown"]), name
         assert Path(entry["screenshot"]).stat().st_size > 10_000
 

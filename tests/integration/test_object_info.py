@@ -16,7 +16,7 @@ EXPECTED = {
     "A3BRemoteModel": ("A3B Remote Model", ["base_url", "model", "api_key_env", "timeout"], ["A3B_MODEL"]),
     "A3BImageEncode": ("A3B Image Encode", ["model", "image", "size", "resize", "srgb"], ["A3B_IMAGES"]),
     "A3BVideoEncode": ("A3B Video Encode", ["model", "frame_rate", "fps", "max_frames", "max_frame_tokens", "video",
-                                            "frames", "images"], ["A3B_IMAGES"]),
+                                            "frames", "images"], ["A3B_IMAGES", "STRING"]),
     "A3BPrompt": ("A3B Prompt", ["system", "user", "thinking", "images", "previous", "previous_answer"],
                   ["A3B_PROMPT"]),
     "A3BGenerate": ("A3B Generate", ["model", "prompt", "mode", "max_new_tokens", "temperature", "top_p", "top_k",

@@ -6,7 +6,8 @@ import copy
 import pytest
 
 from tests.integration.comfy_server import ComfyServer
-from tests.integration.conftest import BROKEN_MODEL, TEST_MAX_NEW_TOKENS, error_message, load_api_workflow
+from tests.integration.conftest import (BROKEN_MODEL, TEST_MAX_NEW_TOKENS, caption_file_names, error_message,
+                                        load_api_workflow)
 from tests.integration.pixel_art_inputs import expected_captions
 
 pytestmark = pytest.mark.comfyui
@@ -45,7 +46,7 @@ def test_api_workflow_runs_to_non_empty_answers(comfy: ComfyServer, name: str) -
     for save in _nodes(graph, "A3BSaveCaptions"):
         inputs = graph[save]["inputs"]
         folder = comfy.output_dir / inputs["subfolder"]
-        stems = [line.rsplit(".", 1)[0] for line in inputs["names"].splitlines()]
+        stems = [name.rsplit(".", 1)[0] for name in caption_file_names(graph, save)]
         assert sorted(path.stem for path in folder.glob("*.txt")) == sorted(stems)
         prefix = f"{inputs['trigger_word']}, " if inputs["trigger_word"] else ""
         assert all((folder / f"{stem}.txt").read_text().startswith(prefix) for stem in stems)
