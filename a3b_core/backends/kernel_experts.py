@@ -17,7 +17,9 @@ of its nibbles in bench/expert_step.py, and bf16 was not measured.
 numba compiles the kernel on first use and keeps it in its on-disk cache: in this package's __pycache__ when that is
 writable, else in the user's cache directory (numba's own choice; NUMBA_CACHE_DIR overrides it). Nothing is swapped,
 and the torch path runs unchanged, when numba is not installed, when the kernel fails to compile or to reproduce a
-small product, or when the environment sets A3B_NO_NUMBA=1.
+small product, or when the environment sets A3B_NO_NUMBA=1. Tensors without data numpy can read (torch's fake
+tensors, which check a model's shapes and devices without computing) keep the torch path too: a store made of them
+is not swapped, and a decoding step given them runs the store's products.
 """
 from __future__ import annotations
 
@@ -57,6 +59,11 @@ def compiled_kernels() -> ModuleType | None:
                       "(slower decoding on the CPU). Set A3B_NO_NUMBA=1 to skip the attempt.", stacklevel=2)
         return None
     return cpu_kernels
+
+
+def plain_cpu(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is an ordinary CPU tensor, whose data numpy reads (not a fake or other subclass)."""
+    return all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
 
 
 def check_kernels(kernels: ModuleType) -> None:
@@ -112,6 +119,10 @@ class KernelExperts(nn.Module):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
+    def takes(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> bool:
+        """Whether `routed_step` can compute these rows (plain CPU tensors); the caller uses gate_up/down if not."""
+        return plain_cpu(x, top_i, top_p)
+
     def routed_step(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for the rows of x [N, H] (top_i, top_p [N, k])."""
         out = np.zeros(tuple(x.shape), np.float32)
@@ -130,7 +141,7 @@ def swap_in_kernels(text: nn.Module) -> None:
     kernels = compiled_kernels()
     for name, module in list(text.named_modules()):
         if not (isinstance(module, QuantizedExperts) and module.fmt in KERNEL_FORMATS
-                and module.device.type == "cpu"):
+                and plain_cpu(*module.buffers())):
             continue
         parent, _, leaf = name.rpartition(".")
         setattr(text.get_submodule(parent), leaf, KernelExperts(module, kernels))
