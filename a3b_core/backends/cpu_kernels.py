@@ -20,9 +20,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-INT8, FP8, INT4 = 0, 1, 2
+INT8, FP8 = 0, 1
 FP8_BLOCK = 128  # the released FP8 checkpoints' scale blocks (backends.experts.FP8_BLOCK)
-ROW_BLOCK = 16  # int8/FP8 output rows per parallel work item: small enough to balance threads over an expert's rows
+ROW_BLOCK = 16  # output rows per parallel work item: small enough to balance threads over one expert's rows
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorised); no assumption that values are finite
 
 
@@ -54,52 +54,6 @@ def row_dot(fmt, q, scale, lut, e, r, x):
     return acc
 
 
-@njit(cache=True, fastmath=FAST)
-def int4_rows(q, scale, e, nb, x, dst):
-    """dst[:2 * half] = the rows of expert e's block nb dotted with x. torch's CPU int4 layout: a block is
-    [in, half] bytes, byte i of input k holding q[row i, k] in its low nibble and q[row half + i, k] in its high one
-    (two contiguous vector ops to unpack), w = (q - 8) * scale + zero per group of inputs, scale and zero bf16."""
-    half = q.shape[3]
-    groups = scale.shape[1]
-    group = q.shape[2] // groups
-    block = q[e, nb]
-    low = np.empty(half, np.float32)
-    high = np.empty(half, np.float32)
-    bits = np.empty(4 * half, np.uint32)  # this group's (scale, zero) pairs of the block's rows, bf16 -> fp32 bits
-    scale_zero = bits.view(np.float32)
-    dst[:2 * half] = 0
-    for g in range(groups):
-        low[:] = 0
-        high[:] = 0
-        x_sum = np.float32(0.0)
-        for k in range(g * group, (g + 1) * group):
-            xk = x[k]
-            x_sum += xk
-            column = block[k]
-            for i in range(half):
-                low[i] += np.float32(column[i] & 15) * xk
-                high[i] += np.float32(column[i] >> 4) * xk
-        pairs = scale[e, g, nb * 4 * half:(nb + 1) * 4 * half]
-        for i in range(4 * half):
-            bits[i] = np.uint32(pairs[i]) << 16
-        for i in range(half):
-            # sum over k of ((q - 8) * scale + zero) * x = scale * sum(q * x) + (zero - 8 * scale) * sum(x)
-            a, z = scale_zero[2 * i], scale_zero[2 * i + 1]
-            dst[i] += a * low[i] + (z - 8 * a) * x_sum
-            a, z = scale_zero[2 * (half + i)], scale_zero[2 * (half + i) + 1]
-            dst[half + i] += a * high[i] + (z - 8 * a) * x_sum
-
-
-@njit(cache=True, fastmath=FAST)
-def rows_dot(fmt, q, scale, lut, e, first, end, x, dst):
-    """dst[r - first] = row r of expert e's matrix dotted with x, for r in first..end (for int4 one whole block)."""
-    if fmt == INT4:
-        int4_rows(q, scale, e, first // (2 * q.shape[3]), x, dst)
-    else:
-        for r in range(first, end):
-            dst[r - first] = row_dot(fmt, q, scale, lut, e, r, x)
-
-
 @njit(cache=True, fastmath=FAST, parallel=True)
 def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, lut, x, ids, weights, out):
     """out[t] += sum over slots j of weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j];
@@ -123,31 +77,28 @@ def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, lut, x, ids, weights
 
     # a work item is a block of one expert's intermediate rows: its gate rows, its up rows (each a contiguous run
     # of weights), then SiLU(gate) * up
-    block = 2 * gu_q.shape[3] if fmt == INT4 else ROW_BLOCK
     act = np.empty((slots, inter), np.float32)
-    blocks = (inter + block - 1) // block
+    blocks = (inter + ROW_BLOCK - 1) // ROW_BLOCK
     for item in prange(used * blocks):
         u, b = item // blocks, item % blocks
-        first, end = b * block, min(inter, b * block + block)
-        gate = np.empty(block, np.float32)
-        up = np.empty(block, np.float32)
+        first, end = b * ROW_BLOCK, min(inter, b * ROW_BLOCK + ROW_BLOCK)
+        gate = np.empty(ROW_BLOCK, np.float32)
         for s in range(slots):
             if expert_of[s] == u:
-                rows_dot(fmt, gu_q, gu_scale, lut, experts[u], first, end, x[s // top_k], gate)
-                rows_dot(fmt, gu_q, gu_scale, lut, experts[u], inter + first, inter + end, x[s // top_k], up)
-                for i in range(end - first):
-                    act[s, first + i] = gate[i] / (1 + np.exp(-gate[i])) * up[i]
+                for i in range(first, end):
+                    gate[i - first] = row_dot(fmt, gu_q, gu_scale, lut, experts[u], i, x[s // top_k])
+                for i in range(first, end):
+                    g = gate[i - first]
+                    act[s, i] = g / (1 + np.exp(-g)) * row_dot(fmt, gu_q, gu_scale, lut, experts[u], inter + i,
+                                                               x[s // top_k])
 
     # a work item is a block of output rows, read expert by expert: each row's experts summed in its routing's
     # order, so a row's result does not depend on the other rows of the call
-    block = 2 * dn_q.shape[3] if fmt == INT4 else ROW_BLOCK
-    blocks = (hidden + block - 1) // block
+    blocks = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
     for b in prange(blocks):
-        first, end = b * block, min(hidden, b * block + block)
-        down = np.empty(block, np.float32)
+        first, end = b * ROW_BLOCK, min(hidden, b * ROW_BLOCK + ROW_BLOCK)
         for t in range(tokens):
             for j in range(top_k):
                 s = t * top_k + j
-                rows_dot(fmt, dn_q, dn_scale, lut, experts[expert_of[s]], first, end, act[s], down)
                 for r in range(first, end):
-                    out[t, r] += weights[t, j] * down[r - first]
+                    out[t, r] += weights[t, j] * row_dot(fmt, dn_q, dn_scale, lut, experts[expert_of[s]], r, act[s])

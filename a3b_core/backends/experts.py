@@ -164,10 +164,9 @@ def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tens
 
 
 def dequantize_int4(packed: torch.Tensor, scale_zero: torch.Tensor, group: int, shape: tuple[int, int]) -> torch.Tensor:
-    # the packed layout is the kernel's own: recover W by multiplying the identity through the kernel (in fp32, so
-    # the weights come out exact)
-    eye = torch.eye(shape[1], dtype=torch.float32)
-    return torch._weight_int4pack_mm_for_cpu(eye, packed, group, scale_zero.float()).t()
+    # the packed layout is the kernel's own: recover W by multiplying the identity through the kernel
+    eye = torch.eye(shape[1], dtype=torch.bfloat16)
+    return torch._weight_int4pack_mm_for_cpu(eye, packed, group, scale_zero).float().t()
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ from torch import nn
 
 from .experts import QuantizedExperts, QuantizedStack
 
-KERNEL_FORMATS = ("int8", "fp8", "int4")
+KERNEL_FORMATS = ("int8", "fp8")
 _LOCK = threading.Lock()  # numba's thread pools do not all accept calls from two threads at once
 
 
@@ -67,61 +67,28 @@ def plain_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def check_kernels(kernels: ModuleType) -> None:
-    """One routed step of two rows on tiny int8 (and int4) experts equals the same step in fp64."""
-    for fmt in ("int8", "int4"):
-        if fmt == "int4" and int4_layout_block() is None:
-            continue
-        g = torch.Generator().manual_seed(0)
-        experts = QuantizedExperts(fmt, 4, 64, 64)
-        for e in range(4):
-            experts.gate_up_proj.set(e, torch.randn(128, 64, generator=g))
-            experts.down_proj.set(e, torch.randn(64, 64, generator=g))
-        x = torch.randn(2, 64, generator=g)
-        ids, weights = torch.tensor([[1, 3], [3, 0]]), torch.tensor([[0.6, 0.4], [0.7, 0.3]])
-        got = KernelExperts(experts, kernels).routed_step(x, ids, weights).double()
-        want = torch.zeros(2, 64, dtype=torch.float64)
-        for t in range(2):
-            for e, w in zip(ids[t].tolist(), weights[t].tolist()):
-                gate, up = (experts.gate_up_proj.dequantize(e).double() @ x[t].double()).chunk(2)
-                want[t] += w * experts.down_proj.dequantize(e).double() @ (F.silu(gate) * up)
-        if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()):
-            raise ValueError(f"the {fmt} kernel's result differs from the reference")
-
-
-@cache
-def int4_layout_block() -> int | None:
-    """Output rows per block of torch's CPU int4 layout on this machine (its kernel's vector width: 32 with AVX2, 64
-    with AVX-512), found by packing a probe matrix; None when the layout is none that the kernel reads."""
-    rows, cols = 128, 64
-    q = torch.randint(0, 16, (rows, cols), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
-    packed = torch._convert_weight_to_int4pack_for_cpu(q, 1).view(torch.uint8)
-    if packed.numel() * 2 != q.numel():
-        return None
-    for block in (64, 32, 16):
-        blocks = packed.reshape(rows // block, cols, block // 2)
-        unpacked = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [row blocks, cols, block]
-        if torch.equal(unpacked.transpose(1, 2).reshape(rows, cols), q.to(torch.uint8)):
-            return block
-    return None
-
-
-def kernel_reads(store: QuantizedExperts) -> bool:
-    """Whether the kernel computes this store: a kernel format in plain CPU tensors (int4: in a layout it reads,
-    with whole layout blocks in each matrix and in the gate/up halves)."""
-    if store.fmt not in KERNEL_FORMATS or not plain_cpu(*store.buffers()):
-        return False
-    if store.fmt != "int4":
-        return True
-    block = int4_layout_block()
-    inter, hidden = store.down_proj.shape[2], store.down_proj.shape[1]
-    return block is not None and inter % block == 0 and hidden % block == 0
+    """One routed step of two rows on tiny int8 experts equals the same step in fp64."""
+    g = torch.Generator().manual_seed(0)
+    experts = QuantizedExperts("int8", 4, 32, 16)
+    for e in range(4):
+        experts.gate_up_proj.set(e, torch.randn(32, 32, generator=g))
+        experts.down_proj.set(e, torch.randn(32, 16, generator=g))
+    x = torch.randn(2, 32, generator=g)
+    ids, weights = torch.tensor([[1, 3], [3, 0]]), torch.tensor([[0.6, 0.4], [0.7, 0.3]])
+    got = KernelExperts(experts, kernels).routed_step(x, ids, weights).double()
+    want = torch.zeros(2, 32, dtype=torch.float64)
+    for t in range(2):
+        for e, w in zip(ids[t].tolist(), weights[t].tolist()):
+            gate, up = (experts.gate_up_proj.dequantize(e).double() @ x[t].double()).chunk(2)
+            want[t] += w * experts.down_proj.dequantize(e).double() @ (F.silu(gate) * up)
+    if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()):
+        raise ValueError("the kernel's result differs from the reference")
 
 
 class KernelMatrices(nn.Module):
     """One fused matrix stack of a layer's experts as the kernel reads it: the store's buffers under its names `q`
     and `scale`, and their numpy views (int8 [E, chunks, out, chunk] with scales [E, out, 1]; FP8 [E, 1, out, in]
-    with its block scales; int4 [E, out / block, in, block / 2] with its bf16 (scale, zero) pairs' bits
-    [E, groups, 2 * out])."""
+    with its block scales)."""
 
     def __init__(self, fmt: str, stack: QuantizedStack):
         super().__init__()
@@ -129,21 +96,15 @@ class KernelMatrices(nn.Module):
         q = self.q.view(torch.uint8).numpy()
         if fmt == "int8":
             self.arrays = (q, self.scale.float().numpy()[:, :, None].copy())
-        elif fmt == "int4":
-            experts, out, inp = stack.shape
-            block = int4_layout_block()
-            scale_zero = self.scale.view(torch.int16).numpy().view(np.uint16)
-            self.arrays = (q.reshape(experts, out // block, inp, block // 2),
-                           scale_zero.reshape(experts, scale_zero.shape[1], 2 * out))
         else:
             self.arrays = (q[:, None], self.scale.numpy())
 
 
 class KernelExperts(nn.Module):
-    """A layer's int8, int4 or FP8 routed experts on the CPU whose decoding step is one kernel call (`routed_step`);
+    """A layer's int8 or FP8 routed experts on the CPU whose decoding step is one kernel call (`routed_step`);
     `gate_up(e, x)` / `down(e, x)` serve prefill through the store's own products."""
 
-    FORMAT_CODES = {"int8": 0, "fp8": 1, "int4": 2}  # cpu_kernels.INT8, FP8, INT4
+    FORMAT_CODES = {"int8": 0, "fp8": 1}  # cpu_kernels.INT8, FP8
     FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().nan_to_num(0.0).numpy()
 
     def __init__(self, store: QuantizedExperts, kernels: ModuleType):
@@ -179,7 +140,8 @@ def swap_in_kernels(text: nn.Module) -> None:
         return
     kernels = compiled_kernels()
     for name, module in list(text.named_modules()):
-        if not (isinstance(module, QuantizedExperts) and kernel_reads(module)):
+        if not (isinstance(module, QuantizedExperts) and module.fmt in KERNEL_FORMATS
+                and plain_cpu(*module.buffers())):
             continue
         parent, _, leaf = name.rpartition(".")
         setattr(text.get_submodule(parent), leaf, KernelExperts(module, kernels))
