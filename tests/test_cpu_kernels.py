@@ -163,3 +163,20 @@ def test_stores_without_data_keep_the_torch_path():
         text = torch.nn.ModuleDict({"experts": QuantizedExperts("int8", EXPERTS, HIDDEN, INTER)})
         swap_in_kernels(text)
     assert isinstance(text["experts"], QuantizedExperts)
+
+
+def test_every_fp8_code_reads_as_torchs_e4m3(one_thread):
+    """The kernel turns e4m3 bytes into floats by shifting bits: every code but NaN's (subnormals, both signs,
+    the largest) gives torch's value."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn's NaN codes, which no released checkpoint holds
+    store = QuantizedExperts("fp8", EXPERTS, HIDDEN, INTER)
+    for stack in (store.gate_up_proj, store.down_proj):
+        _, out, inp = stack.shape
+        for e in range(EXPERTS):
+            order = torch.randperm(out * inp, generator=torch.Generator().manual_seed(e)) % len(codes)
+            q = codes[order].view(torch.float8_e4m3fn).view(out, inp)
+            stack.set_fp8(e, q, torch.full(stack.scale.shape[1:], 2.0 ** -8))
+    x, top_i, top_p = routing(3)
+    got = KernelExperts(store, compiled_kernels()).routed_step(x, top_i, top_p)
+    assert relative_error(got, fp64_step(store, x, top_i, top_p)) < EXACT_BOUND

@@ -10,7 +10,7 @@ that a sequence decodes to the same tokens whatever batch it is in (a row's resu
 on the other rows, while a prefill's path would then depend on how many rows a batch's last chunk has).
 
 Applied at load by prepare_cpu as a module swap of CPU expert stores in int8 and FP8 (as released: 128x128 block
-scales, decoded in the kernel through a table, so FP8 checkpoints need no converted cache), reading the store's
+scales, decoded in the kernel by shifting bits, so FP8 checkpoints need no converted cache), reading the store's
 tensors as they are. int4 and bf16 experts keep torch's products: torch's int4 kernel was faster than a numba decode
 of its nibbles in bench/expert_step.py, and bf16 was not measured.
 
@@ -93,7 +93,7 @@ class KernelMatrices(nn.Module):
     def __init__(self, fmt: str, stack: QuantizedStack):
         super().__init__()
         self.q, self.scale = stack.q, stack.scale
-        q = self.q.view(torch.uint8).numpy()
+        q = self.q.view(torch.int8).numpy()
         if fmt == "int8":
             self.arrays = (q, self.scale.float().numpy()[:, :, None].copy())
         else:
@@ -105,7 +105,6 @@ class KernelExperts(nn.Module):
     `gate_up(e, x)` / `down(e, x)` serve prefill through the store's own products."""
 
     FORMAT_CODES = {"int8": 0, "fp8": 1}  # cpu_kernels.INT8, FP8
-    FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().nan_to_num(0.0).numpy()
 
     def __init__(self, store: QuantizedExperts, kernels: ModuleType):
         super().__init__()
@@ -129,7 +128,7 @@ class KernelExperts(nn.Module):
         with _LOCK:
             self.kernels.set_threads(torch.get_num_threads())
             self.kernels.routed_step(self.FORMAT_CODES[self.fmt], self.inter, *self.gate_up_proj.arrays,
-                                     *self.down_proj.arrays, self.FP8_TABLE, x.detach().float().contiguous().numpy(),
+                                     *self.down_proj.arrays, x.detach().float().contiguous().numpy(),
                                      top_i.contiguous().numpy(), top_p.detach().float().contiguous().numpy(), out)
         return torch.from_numpy(out).to(x.dtype)
 
