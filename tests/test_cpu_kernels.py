@@ -5,11 +5,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from a3b_core import load_model
 from a3b_core.backends.experts import QuantizedExperts
-from a3b_core.backends.kernel_experts import KernelExperts, compiled_kernels, kernels_enabled
+from a3b_core.backends.kernel_experts import KernelExperts, compiled_kernels, kernels_enabled, swap_in_kernels
 from a3b_core.models.layers import RoutedExperts
+from tests.fake_cuda import FakeCuda
 
 pytestmark = pytest.mark.skipif(compiled_kernels() is None, reason="numba is not installed or cannot compile")
 
@@ -140,3 +142,41 @@ def test_bfloat16_rows_come_back_in_bfloat16(one_thread):
 def test_float32_reference_path_and_int4_have_no_kernels(fixtures, weight_format):
     model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32", weight_format=weight_format)
     assert kernels_enabled() and kernel_stores(model) == 0
+
+
+def test_rows_without_data_take_the_stores_products(one_thread):
+    """Fake rows (torch's fake tensors: shapes and devices, no data, as when a model is checked on a stand-in GPU)
+    have nothing numpy can read: a decoding step computes them with the store's torch products, which take them."""
+    store = make_store("int8")
+    x, top_i, top_p = routing(3)
+    layer = moe_layer(KernelExperts(store, compiled_kernels()))
+    for rows in (1, 3):
+        with FakeCuda() as stand_in:  # reads of the routing on the host are answered, as on a stand-in GPU
+            out = layer.routed_experts(stand_in.fake.from_tensor(x[:rows]), top_i[:rows], top_p[:rows],
+                                       decoding=True)
+        assert isinstance(out, FakeTensor) and out.shape == (rows, HIDDEN)
+
+
+def test_stores_without_data_keep_the_torch_path():
+    """Expert stores made of fake tensors (a model's shapes checked without its weights) are not swapped."""
+    with FakeTensorMode():
+        text = torch.nn.ModuleDict({"experts": QuantizedExperts("int8", EXPERTS, HIDDEN, INTER)})
+        swap_in_kernels(text)
+    assert isinstance(text["experts"], QuantizedExperts)
+
+
+def test_every_fp8_code_reads_as_torchs_e4m3(one_thread):
+    """The kernel turns e4m3 bytes into floats by shifting bits: every code but NaN's (subnormals, both signs,
+    the largest) gives torch's value."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = codes[(codes & 0x7F) != 0x7F]  # e4m3fn's NaN codes, which no released checkpoint holds
+    store = QuantizedExperts("fp8", EXPERTS, HIDDEN, INTER)
+    for stack in (store.gate_up_proj, store.down_proj):
+        _, out, inp = stack.shape
+        for e in range(EXPERTS):
+            order = torch.randperm(out * inp, generator=torch.Generator().manual_seed(e)) % len(codes)
+            q = codes[order].view(torch.float8_e4m3fn).view(out, inp)
+            stack.set_fp8(e, q, torch.full(stack.scale.shape[1:], 2.0 ** -8))
+    x, top_i, top_p = routing(3)
+    got = KernelExperts(store, compiled_kernels()).routed_step(x, top_i, top_p)
+    assert relative_error(got, fp64_step(store, x, top_i, top_p)) < EXACT_BOUND

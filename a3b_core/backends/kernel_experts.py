@@ -10,14 +10,16 @@ that a sequence decodes to the same tokens whatever batch it is in (a row's resu
 on the other rows, while a prefill's path would then depend on how many rows a batch's last chunk has).
 
 Applied at load by prepare_cpu as a module swap of CPU expert stores in int8 and FP8 (as released: 128x128 block
-scales, decoded in the kernel through a table, so FP8 checkpoints need no converted cache), reading the store's
+scales, decoded in the kernel by shifting bits, so FP8 checkpoints need no converted cache), reading the store's
 tensors as they are. int4 and bf16 experts keep torch's products: torch's int4 kernel was faster than a numba decode
 of its nibbles in bench/expert_step.py, and bf16 was not measured.
 
 numba compiles the kernel on first use and keeps it in its on-disk cache: in this package's __pycache__ when that is
 writable, else in the user's cache directory (numba's own choice; NUMBA_CACHE_DIR overrides it). Nothing is swapped,
 and the torch path runs unchanged, when numba is not installed, when the kernel fails to compile or to reproduce a
-small product, or when the environment sets A3B_NO_NUMBA=1.
+small product, or when the environment sets A3B_NO_NUMBA=1. Tensors without data numpy can read (torch's fake
+tensors, which check a model's shapes and devices without computing) keep the torch path too: a store made of them
+is not swapped, and a decoding step given them runs the store's products.
 """
 from __future__ import annotations
 
@@ -59,6 +61,11 @@ def compiled_kernels() -> ModuleType | None:
     return cpu_kernels
 
 
+def plain_cpu(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is an ordinary CPU tensor, whose data numpy reads (not a fake or other subclass)."""
+    return all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
+
+
 def check_kernels(kernels: ModuleType) -> None:
     """One routed step of two rows on tiny int8 experts equals the same step in fp64."""
     g = torch.Generator().manual_seed(0)
@@ -86,7 +93,7 @@ class KernelMatrices(nn.Module):
     def __init__(self, fmt: str, stack: QuantizedStack):
         super().__init__()
         self.q, self.scale = stack.q, stack.scale
-        q = self.q.view(torch.uint8).numpy()
+        q = self.q.view(torch.int8).numpy()
         if fmt == "int8":
             self.arrays = (q, self.scale.float().numpy()[:, :, None].copy())
         else:
@@ -98,7 +105,6 @@ class KernelExperts(nn.Module):
     `gate_up(e, x)` / `down(e, x)` serve prefill through the store's own products."""
 
     FORMAT_CODES = {"int8": 0, "fp8": 1}  # cpu_kernels.INT8, FP8
-    FP8_TABLE = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().nan_to_num(0.0).numpy()
 
     def __init__(self, store: QuantizedExperts, kernels: ModuleType):
         super().__init__()
@@ -112,13 +118,17 @@ class KernelExperts(nn.Module):
     def device(self) -> torch.device:
         return torch.device("cpu")
 
+    def takes(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> bool:
+        """Whether `routed_step` can compute these rows (plain CPU tensors); the caller uses gate_up/down if not."""
+        return plain_cpu(x, top_i, top_p)
+
     def routed_step(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for the rows of x [N, H] (top_i, top_p [N, k])."""
         out = np.zeros(tuple(x.shape), np.float32)
         with _LOCK:
             self.kernels.set_threads(torch.get_num_threads())
             self.kernels.routed_step(self.FORMAT_CODES[self.fmt], self.inter, *self.gate_up_proj.arrays,
-                                     *self.down_proj.arrays, self.FP8_TABLE, x.detach().float().contiguous().numpy(),
+                                     *self.down_proj.arrays, x.detach().float().contiguous().numpy(),
                                      top_i.contiguous().numpy(), top_p.detach().float().contiguous().numpy(), out)
         return torch.from_numpy(out).to(x.dtype)
 
@@ -130,7 +140,7 @@ def swap_in_kernels(text: nn.Module) -> None:
     kernels = compiled_kernels()
     for name, module in list(text.named_modules()):
         if not (isinstance(module, QuantizedExperts) and module.fmt in KERNEL_FORMATS
-                and module.device.type == "cpu"):
+                and plain_cpu(*module.buffers())):
             continue
         parent, _, leaf = name.rpartition(".")
         setattr(text.get_submodule(parent), leaf, KernelExperts(module, kernels))

@@ -220,11 +220,11 @@ class RoutedExperts(nn.Module):
         that holds the experts: hidden states and routing of experts kept in RAM travel to the CPU in one copy, and
         the result comes back in one (the routing has to reach the host anyway, to pick the experts). When
         `decoding` (each row is one sequence's next token), a store with `routed_step` (backends/kernel_experts.py)
-        computes the whole step itself."""
+        computes the whole step itself, for the rows it `takes`."""
         home = x.device
         if self.experts.device != home:
             x, top_i, top_p = moved_together(x, top_i, top_p, self.experts.device)
-        if decoding and hasattr(self.experts, "routed_step"):
+        if decoding and hasattr(self.experts, "routed_step") and self.experts.takes(x, top_i, top_p):
             return self.experts.routed_step(x, top_i, top_p).to(home)
         if x.shape[0] == 1:  # decoding one token: nothing to group, and the k experts' small ops run batched
             chosen = top_i[0].cpu().tolist()  # the one copy to the host this layer needs
