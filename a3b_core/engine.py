@@ -385,9 +385,12 @@ class A3BModel:
 
 
 def expert_cache_dir(ckpt: Checkpoint, fmt: str) -> Path:
-    """Where converted experts of this checkpoint are kept: keyed by the weight files' names, sizes and times."""
+    """Where converted experts of this checkpoint are kept: keyed by the weight files' names, sizes and times, and by
+    the CPU instruction set torch runs on, since torch packs int4 matrices differently for AVX2 and AVX-512 (a cache
+    moved to another CPU, or read under another ATEN_CPU_CAPABILITY, would otherwise be misread)."""
     root = Path(os.environ.get("A3B_CACHE_DIR", Path.home() / ".cache" / "a3b-nodes")) / "experts"
-    key = hashlib.sha256(repr((str(ckpt.folder.resolve()), fmt, EXPERT_CACHE_VERSION, [
+    key = hashlib.sha256(repr((str(ckpt.folder.resolve()), fmt, EXPERT_CACHE_VERSION,
+                               torch.backends.cpu.get_cpu_capability(), [
         (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.files])).encode()).hexdigest()[:16]
     return root / f"{ckpt.folder.name}-{fmt}-{key}"
 

@@ -1,4 +1,9 @@
 """Routed-expert storage formats: kernels vs their own dequantised weights, error bounds, memory, disk cache."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -57,6 +62,22 @@ def test_released_fp8_experts_are_kept_as_released(fixtures):
     as_float = load_model(fixtures.moe_fp8, preset="cpu", compute_dtype="float32").logits(ids)
     as_fp8 = load_model(fixtures.moe_fp8, preset="cpu", compute_dtype="float32", weight_format="fp8").logits(ids)
     torch.testing.assert_close(as_fp8, as_float, atol=1e-5, rtol=0)
+
+
+def test_the_expert_cache_is_kept_per_cpu_instruction_set(fixtures, tmp_path):
+    """torch's packed int4 layout depends on the instruction set it runs with, so each gets its own cache folder."""
+    script = ("import sys, torch; from a3b_core.checkpoint import Checkpoint; from a3b_core.engine import "
+              "expert_cache_dir; print(torch.backends.cpu.get_cpu_capability(), "
+              "expert_cache_dir(Checkpoint(sys.argv[1]), 'int4'))")
+    folders = {}
+    for capability in ("avx2", "default"):
+        env = os.environ | {"ATEN_CPU_CAPABILITY": capability, "A3B_CACHE_DIR": str(tmp_path)}
+        run = subprocess.run([sys.executable, "-c", script, str(fixtures.moe_fused_bf16)], capture_output=True,
+                             text=True, env=env, cwd=Path(__file__).parent.parent, timeout=120)
+        assert run.returncode == 0, run.stderr
+        used, folder = run.stdout.split()
+        folders[used] = folder
+    assert len(folders) == 2 and len(set(folders.values())) == 2, folders
 
 
 def test_converted_experts_are_cached_on_disk(fixtures, tmp_path, monkeypatch):
