@@ -116,6 +116,7 @@ MODEL_LOGIT_BOUND = 0.1
 def test_models_decode_the_same_with_kernels(fixtures, fmt, monkeypatch, one_thread):
     folder = fixtures.moe_fp8 if fmt == "fp8" else fixtures.moe_fused_bf16
     ids = fixtures.refs(folder)["text.input_ids"][:, :1]
+    monkeypatch.delenv("A3B_NO_NUMBA", raising=False)  # whatever the run's own setting
     with_kernels = load_model(folder, preset="cpu", compute_dtype="float32", weight_format=fmt)
     monkeypatch.setenv("A3B_NO_NUMBA", "1")
     assert not kernels_enabled()
@@ -139,7 +140,8 @@ def test_bfloat16_rows_come_back_in_bfloat16(one_thread):
 
 
 @pytest.mark.parametrize("weight_format", ["auto", "int4"])
-def test_float32_reference_path_and_int4_have_no_kernels(fixtures, weight_format):
+def test_float32_reference_path_and_int4_have_no_kernels(fixtures, weight_format, monkeypatch):
+    monkeypatch.delenv("A3B_NO_NUMBA", raising=False)  # whatever the run's own setting
     model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32", weight_format=weight_format)
     assert kernels_enabled() and kernel_stores(model) == 0
 
