@@ -6,7 +6,8 @@ matrix-vector kernel for one or two rows, input projections that read the same i
 and the vision tower's bf16 matrices are packed for oneDNN. Quantised expert stores and FP8 dense layers
 (experts.py) are built by the family's loader; int8 and FP8 ones on the CPU compute a decoding step's routed
 experts in one numba call per layer (kernel_experts.py, cpu_kernels.py) when numba is there. heap.py keeps the C
-heap's freed memory for reuse while a generation runs, when asked. The constants tuned for one CPU live in products.py and experts.py and say which CPU.
+heap's freed memory for reuse while a generation runs, when asked. The constants tuned for one CPU live in
+products.py and experts.py and say which CPU.
 """
 from __future__ import annotations
 
