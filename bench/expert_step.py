@@ -7,8 +7,8 @@ The bench model's shapes (hidden 1024, moe_intermediate 512, 64 experts, top-8) 
 their own memory (copies of one layer: far more than the L3 cache holds), each step a random routing on the next
 layer, run through the model's own RoutedExperts.routed_experts with the store as loading makes it (torch) and with
 its KernelExperts swap (numba). Rounds interleave the two; each format's medians are printed as soon as it is done,
-with the weight bytes a step reads per second, next to the memory bandwidth measured in the same run (roofline.py:
-1 GiB fp32 sum).
+with the weight bytes a step reads per second (the experts its rows pick between them, in expectation), next to the
+memory bandwidth measured in the same run (roofline.py: 1 GiB fp32 sum).
 """
 from __future__ import annotations
 
@@ -86,7 +86,8 @@ def main() -> None:
     for fmt in args.formats.split(","):
         first = random_store(fmt, g)
         stores = [first] + [copy.deepcopy(first) for _ in range(LAYERS - 1)]
-        step_bytes = store_bytes(first) * TOP_K / EXPERTS
+        # the experts a step reads: each row picks TOP_K of EXPERTS at random, so rows share some (expected count)
+        step_bytes = store_bytes(first) * (1 - (1 - TOP_K / EXPERTS) ** args.rows)
         with torch.device("meta"):
             torch_layers = [RoutedExperts(cfg) for _ in stores]
             kernel_layers = [RoutedExperts(cfg) for _ in stores]
