@@ -325,14 +325,14 @@ class _Journal:
     image whose file holds exactly those bytes, and redoes one whose replacement never happened, so no caption is added
     twice. A run that ends without a stop deletes the journal; different settings start a new one."""
 
-    def __init__(self, path: Path, settings: str):
-        self.path, self.settings = path, settings
+    def __init__(self, path: Path):
+        self.path = path
         self.done: dict[str, str] = {}
 
     @classmethod
     def resume(cls, path: Path, settings: str) -> _Journal:
         """The journal at `path`, continued when it was written with `settings`, else started afresh."""
-        journal = cls(path, settings)
+        journal = cls(path)
         lines = cls._read_lines(path)
         if lines and lines[0].get("settings") == settings:
             journal.done = {e["file"]: e["sha256"] for e in lines[1:] if isinstance(e.get("file"), str)
@@ -390,11 +390,6 @@ def _run_settings(job: FolderJob, request: str) -> str:
     """What decides the text a run writes: a rerun resumes a journal only when these are unchanged."""
     return json.dumps({"existing": job.existing, "preset": job.preset, "request": request,
                        "shaping": asdict(job.shaping)}, sort_keys=True)
-
-
-def _caption_bytes(text: str) -> bytes:
-    """The bytes write_text_atomic writes for a caption file's text."""
-    return (text + "\n").encode("utf-8")
 
 
 # --------------------------------------------------------------------------------------------------- a run
@@ -552,9 +547,10 @@ def _finish(job: FolderJob, task: _Task, caption: str, tags: bool, journal: _Jou
     missing = missing_phrases(text, shaping.require)
     if job.dry_run:
         return ImageOutcome(task.image, task.caption_file, "dry run", text, missing=missing)
+    content = text + "\n"
     if journal is not None:
-        journal.record(task.key, _caption_bytes(text))
-    if not write_text_atomic(task.caption_file, text + "\n", overwrite=job.existing != "skip"):
+        journal.record(task.key, content.encode("utf-8"))  # the bytes write_text_atomic writes
+    if not write_text_atomic(task.caption_file, content, overwrite=job.existing != "skip"):
         return ImageOutcome(task.image, task.caption_file, "skipped")  # written by someone else meanwhile
     return ImageOutcome(task.image, task.caption_file, "written", text, missing=missing)
 

@@ -38,7 +38,7 @@ def fit_to_context(model: A3BModel, prompt_for: Callable[[EncodedImages], ChatPr
     for side in range(largest, factor - 1, -factor):
         if sum(_tokens(source, shape, side, factor) for source, shape in zip(images.sources, shapes)) > room:
             continue
-        resized = _encoded_at(model, images.sources, side)
+        resized = _encoded_at(model, images, side)
         prompt = prompt_for(resized)
         if len(prompt.input_ids) + max_new_tokens <= context:  # "native" shapes were estimated from the grids
             return prompt, (f"{len(images)} image{'s' if len(images) > 1 else ''} at {side}x{side} pixels to fit "
@@ -59,11 +59,12 @@ def _tokens(source: ImageSource, shape: tuple[int, int], side: int, factor: int)
     return (height // factor) * (width // factor)
 
 
-def _encoded_at(model: A3BModel, sources: list[ImageSource], side: int) -> EncodedImages:
+def _encoded_at(model: A3BModel, images: EncodedImages, side: int) -> EncodedImages:
+    """`images` (each with its source) encoded again at `side`, keeping their sources and names."""
     vision = model.config.vision
     patches = (image_pipeline.preprocess(s.image, side, s.resize, s.srgb, s.background, vision.patch_size,
                                          vision.temporal_patch_size, vision.spatial_merge_size, side * side)
-               for s in sources)
-    encoded = model.encode_patches(patches, len(sources))
-    encoded.sources = list(sources)
+               for s in images.sources)
+    encoded = model.encode_patches(patches, len(images))
+    encoded.sources, encoded.names = list(images.sources), list(images.names)
     return encoded

@@ -133,16 +133,27 @@ def test_a_rerun_skips_every_captioned_image_without_generating(tmp_path, model)
     assert {path: path.stat().st_mtime_ns for path in data.rglob("*.txt")} == times
 
 
+def _hand_written(data: Path) -> None:
+    for name in IMAGES:
+        (data / name).with_suffix(".txt").write_text("hand written\n")
+
+
+def _stop_after_the_first_batch(model, folder_job: FolderJob) -> list[FolderProgress]:
+    stop = False
+    steps = []
+    for step in caption_folder(model, folder_job, should_stop=lambda: stop):
+        steps.append(step)
+        stop = any(o.status == "written" for o in step.outcomes)
+    assert steps[-1].stopped
+    return steps
+
+
 def test_a_run_stopped_between_batches_resumes_to_the_same_captions(tmp_path, model_fp32):
     model = model_fp32
     whole = make_dataset(tmp_path / "whole")
     run_to_end(model, job(whole))
     data = make_dataset(tmp_path / "stopped")
-    stop = False
-    steps = []
-    for step in caption_folder(model, job(data), should_stop=lambda: stop):
-        steps.append(step)
-        stop = any(o.status == "written" for o in step.outcomes)
+    steps = _stop_after_the_first_batch(model, job(data))
     # the first batch only: 'knight one.png' and the unreadable 'sub/broken.png'
     assert steps[-1].stopped and list(captions_of(data)) == ["knight one.txt"]
     assert "stopped" in summary([o for s in steps for o in s.outcomes], stopped=True)
@@ -170,21 +181,6 @@ def test_a_stop_within_a_batch_writes_none_of_its_unfinished_captions(tmp_path, 
     assert captions_of(data) == captions_of(whole)
 
 
-def _hand_written(data: Path) -> None:
-    for name in IMAGES:
-        (data / name).with_suffix(".txt").write_text("hand written\n")
-
-
-def _stop_after_the_first_batch(model, folder_job: FolderJob) -> list[FolderProgress]:
-    stop = False
-    steps = []
-    for step in caption_folder(model, folder_job, should_stop=lambda: stop):
-        steps.append(step)
-        stop = any(o.status == "written" for o in step.outcomes)
-    assert steps[-1].stopped
-    return steps
-
-
 @pytest.mark.parametrize("policy", ["append", "prepend", "overwrite"])
 def test_a_stopped_run_that_changes_files_resumes_without_adding_a_caption_twice(tmp_path, model_fp32, policy):
     model = model_fp32
@@ -196,10 +192,8 @@ def test_a_stopped_run_that_changes_files_resumes_without_adding_a_caption_twice
     _hand_written(data)
     _stop_after_the_first_batch(model, job(data, existing=policy))
     assert (data / RUN_JOURNAL).exists()
-    first, *rest = caption_folder(model, job(data, existing=policy))
+    first, *_ = caption_folder(model, job(data, existing=policy))
     assert [(o.image.name, o.status) for o in first.outcomes] == [("knight one.png", "skipped")]
-    for _ in rest:
-        pass
     assert captions_of(data) == captions_of(whole)
     assert not (data / RUN_JOURNAL).exists()
 
