@@ -233,13 +233,13 @@ def _check_unique_caption_files(pairs: Sequence[tuple[Path, Path]]) -> None:
         seen[caption] = image
 
 
-def _refusal(caption: Path, write_root: Path) -> str:
-    """Why a caption file cannot be written there ('' when it can): it must stay inside the folder written to."""
-    target = caption.resolve()
+def _refusal(path: Path, write_root: Path, what: str = "its caption file") -> str:
+    """Why a file cannot be written at `path` ('' when it can): it must stay inside the folder written to."""
+    target = path.resolve()
     if not target.is_relative_to(write_root):
-        return f"its caption file {caption} is a link to {target}, outside {write_root}"
+        return f"{what} {path} is a link to {target}, outside {write_root}"
     if target.is_dir():
-        return f"its caption file {caption} is a folder"
+        return f"{what} {path} is a folder"
     return ""
 
 
@@ -430,7 +430,12 @@ def caption_folder(model: A3BModel, job: FolderJob,
     _check_unique_caption_files(pairs)
     journal = None
     if job.existing != "skip" and not job.dry_run:
-        journal = _Journal.resume(captions_root / RUN_JOURNAL, _run_settings(job, request))
+        journal_path = captions_root / RUN_JOURNAL
+        refusal = _refusal(journal_path, write_root, "the run's journal")
+        if refusal:
+            raise ConfigError(f"{refusal}, so the run cannot note what it writes there. Remove it, or pick another "
+                              "output folder.")
+        journal = _Journal.resume(journal_path, _run_settings(job, request))
     total = len(images) + len(refused)
     upfront: list[ImageOutcome] = list(refused)
     tasks: list[_Task] = []

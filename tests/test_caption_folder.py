@@ -339,6 +339,16 @@ def test_links_out_of_the_folder_are_refused_by_name_and_the_target_is_untouched
     assert (data / "knight one.txt").is_file()
 
 
+def test_a_journal_link_out_of_the_folder_is_refused_and_its_target_untouched(tmp_path, model):
+    data = make_dataset(tmp_path)
+    (data / RUN_JOURNAL).symlink_to(tmp_path / "outside" / "victim.txt")
+    with pytest.raises(ConfigError, match="journal.*outside") as info:
+        run_to_end(model, job(data, existing="append"))
+    assert FIX.search(str(info.value)), str(info.value)
+    assert (tmp_path / "outside" / "victim.txt").read_text() == "mine\n"
+    assert captions_of(data) == {}
+
+
 def test_two_images_with_one_caption_file_are_refused_before_any_caption(tmp_path, model):
     data = make_dataset(tmp_path)
     shutil.copy(data / "zebra.jpeg", data / "zebra.png")
