@@ -10,6 +10,7 @@ from a3b_core.backends.products import FusedLinear
 from a3b_core.errors import PlacementError
 from a3b_core.placement import plan_for_folder
 from tests.fake_cuda import FakeCuda
+from tests.test_bad_inputs import FIX
 
 QUANTISED_LEAVES = {"q_proj", "k_proj", "v_proj", "o_proj", "in_proj_qkv", "in_proj_z", "out_proj", "gate_proj",
                     "up_proj", "down_proj", "lm_head"}
@@ -120,7 +121,7 @@ def test_dense_format_on_a_gpu_is_refused(fixtures, fmt):
         load_model(fixtures.moe_fused_bf16, preset="8gb", device="cuda", dense_format=fmt)
     message = str(info.value)
     assert f"dense_format '{fmt}'" in message and "dense parts computed by the CPU" in message
-    assert "dense_format auto" in message and "preset cpu" in message
+    assert "dense_format auto" in message and "preset cpu" in message and FIX.search(message)
 
 
 def test_dense_format_on_a_cpu_device_with_a_gpu_preset_is_planned_for_the_cpu(fixtures, one_thread):
