@@ -63,8 +63,8 @@ class A3BModelLoader(io.ComfyNode):
                                tooltip="How the dense matrices (attention and DeltaNet projections, shared experts, "
                                        "lm_head) are held when the CPU computes them (preset 'cpu' or device 'cpu'). "
                                        "'auto': the compute dtype (bf16), exact. int8 holds them in about half the "
-                                       "memory of bf16 (about 1.2 GB less for the 35B), int4 in about a quarter "
-                                       "(about 1.7 GB less), at a small (int8) or clear (int4) accuracy cost; routers "
+                                       "memory of bf16 (about 1.8 GB less for the 35B), int4 in about a quarter "
+                                       "(about 2.6 GB less), at a small (int8) or clear (int4) accuracy cost; routers "
                                        "and embeddings stay bf16. Not for dense parts on a GPU."),
             ],
             outputs=[ModelWire.Output(display_name="model", tooltip="The loaded model, for Image Encode and "
