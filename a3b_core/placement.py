@@ -361,7 +361,7 @@ class _Planner:
         parts = [self._dense_part(g, device, fmt) for g in DENSE_GROUPS if g in self.inv.groups]
         if self.tied:  # lm_head is embed_tokens: one tensor, where lm_head goes
             parts.insert(0, PlanPart("embed_tokens+lm_head (tied)", device, self.compute_format,
-                                     inv.bytes("embed_tokens", self.compute_format)))
+                                     self.inv.bytes("embed_tokens", self.compute_format)))
         if device == "cuda":
             parts += [PlanPart("cuda_context", "cuda", "-", CUDA_CONTEXT_BYTES),
                       PlanPart("workspace", "cuda", "-", GPU_WORKSPACE_BYTES)]

@@ -394,3 +394,8 @@ def test_dense_model_with_tied_embeddings():
     assert p.expert_format_cpu == p.expert_format_gpu == "none" and p.gpu_expert_layers == ()
     assert part(p, "mlp").device == "cuda" and part(p, "embed_tokens+lm_head (tied)").device == "cuda"
     assert p.embed_device == "cuda" and expert_layout(parse_config(raw), tensors) == "none (dense MLP)"
+    # dense int8 on the CPU: the tied table stays in the compute format (it is the embedding), the rest is int8
+    cpu = make_plan(parse_config(raw), tensors, "cpu", cpu_free=RAM, dense_format="int8")
+    assert part(cpu, "embed_tokens+lm_head (tied)") == part(make_plan(parse_config(raw), tensors, "cpu", cpu_free=RAM),
+                                                            "embed_tokens+lm_head (tied)")
+    assert part(cpu, "mlp").format == part(cpu, "mixers").format == "int8"
