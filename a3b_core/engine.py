@@ -398,13 +398,14 @@ def expert_cache_dir(ckpt: Checkpoint, fmt: str) -> Path:
 def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", compute_dtype: str = "auto",
                weight_format: str = "auto", kv_cache: str = "auto", max_context: int | None = None,
                progress: Progress | None = None, device: str | torch.device = "auto",
-               ram_budget: int | None = None, chat_template: str = "auto") -> A3BModel:
+               ram_budget: int | None = None, chat_template: str = "auto", dense_format: str = "auto") -> A3BModel:
     """Loads a model folder of a supported family (models/), or an embedded demo model, as the preset's placement plan
     says, on `device` ("auto": the first CUDA GPU if there is one; "cpu"; "cuda" or "cuda:N"). The plan may use
     `ram_budget` bytes of RAM (default: what the system reports available). `chat_template` "auto" builds prompts with
     the folder's own chat template when it has one (chat_template.jinja, chat_template.json or tokenizer_config.json's),
     else with the family's built-in one; "built-in" always uses the built-in one (model.chat_template_in_use says
-    which).
+    which). `dense_format` "int8" / "int4" holds the text model's dense matrices (attention and DeltaNet projections,
+    shared experts, lm_head) weight-only quantised when the CPU computes them; "auto" keeps the compute dtype.
 
     preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
     started = time.perf_counter()
@@ -426,8 +427,8 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     device = devices.resolve_device(device)
     dtype = resolve_compute_dtype(compute_dtype, device)
     plan = make_plan(config, {n: (i.shape, i.dtype) for n, i in ckpt.infos.items()}, preset,
-                     weight_format=weight_format, kv_cache=kv_cache, max_context=max_context,
-                     has_cuda=device.type == "cuda", gpu_free=devices.free_bytes(device), cpu_free=ram_budget,
+                     weight_format=weight_format, dense_format=dense_format, kv_cache=kv_cache,
+                     max_context=max_context, has_cuda=device.type == "cuda", gpu_free=devices.free_bytes(device), cpu_free=ram_budget,
                      compute_format=FORMAT_OF_DTYPE[dtype])
 
     def where(plan_device: str) -> torch.device:
@@ -460,7 +461,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
                               "to another model: download them again.") from exc
     family.place_text(text.eval(), where(plan.dense_device), where(plan.embed_device),
                       {layer: where("cuda") for layer in plan.gpu_expert_layers})
-    backends.prepare_cpu(text, vision, release_under(text_prefix), release_under(vision_prefix))
+    backends.prepare_cpu(text, vision, release_under(text_prefix), release_under(vision_prefix), plan.dense_format)
     stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
     return A3BModel(folder, config, text, vision, tokenizer, plan, where(plan.dense_device), dtype, stats,
                     folder_template)

@@ -15,6 +15,9 @@ FLOAT_FORMATS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.fl
 FORMAT_OF_DTYPE = {dtype: fmt for fmt, dtype in FLOAT_FORMATS.items()}
 QUANTIZED_FORMATS = ("fp8", "int8", "int4")
 WEIGHT_FORMATS = ("auto", "fp8", "int8", "int4", "bf16", "fp32")  # what routed experts in RAM may be held in
+# how the text model's dense matrices on the CPU are held; "auto": the compute dtype (FP8 as released where the plan
+# keeps it on a GPU), int8/int4: weight-only, as the routed experts' stores (backends/dense.py)
+DENSE_FORMATS = ("auto", "int8", "int4")
 KV_FORMATS = ("auto", *FLOAT_FORMATS, "int8")  # "auto": the compute dtype
 RESIZE_MODES = ("stretch", "letterbox", "crop", "native")
 SAMPLER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "repetition_penalty")
@@ -37,6 +40,7 @@ class LoadOptions:
     preset: str = "auto"
     compute_dtype: str = "auto"
     weight_format: str = "auto"
+    dense_format: str = "auto"
     kv_cache: str = "auto"
     max_context: int | None = None
     device: str = "auto"

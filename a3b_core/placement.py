@@ -6,7 +6,9 @@ A preset "Ngb" is N GiB of VRAM for the model. From it we reserve the CUDA conte
 experts, routers, norms, lm_head) and the cache, which must fit; the vision tower, if it fits; then as many
 whole layers of routed experts as fit; and embed_tokens (a row lookup, fine on the CPU) only once everything else
 is on the GPU. Dense parts are held in the compute format (bf16, fp16 or fp32); an FP8 checkpoint's dense parts stay
-FP8 on the GPU only when the compute format would not leave room for the cache at the full context. Routed experts
+FP8 on the GPU only when the compute format would not leave room for the cache at the full context; on the CPU,
+dense_format int8 / int4 holds their matrices quantised (backends/dense.py says which), counted here at that size
+(a GPU's dense parts are refused in int8 / int4: torch's weight-only kernels for them are the CPU's). Routed experts
 left over live in RAM and are computed by the CPU; RAM must hold them (weight format auto: int8, or int4 when RAM is
 short), whatever else is in RAM, and CPU_WORKSPACE_BYTES. "auto" plans for the free VRAM (torch.cuda.mem_get_info)
 and MemAvailable; a plan without a GPU budget (preset cpu, or no accelerator) keeps everything in RAM.
@@ -35,7 +37,8 @@ from .checkpoint import FP8_DTYPES, Checkpoint
 from .config import ModelConfig
 from .errors import PlacementError
 from .models import family_for, load_config
-from .options import FLOAT_FORMATS, KV_FORMATS, PRESET_NAMES, WEIGHT_FORMATS
+from .backends.dense import is_quantised_dense
+from .options import DENSE_FORMATS, FLOAT_FORMATS, KV_FORMATS, PRESET_NAMES, WEIGHT_FORMATS
 from .weights import stays_fp32
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -252,9 +255,10 @@ class _NoFit(Exception):
 
 class _Planner:
     def __init__(self, config: ModelConfig, inv: Inventory, weight_format: str, kv_cache: str,
-                 max_context: int | None, compute_format: str = "bf16"):
+                 max_context: int | None, compute_format: str = "bf16", dense_format: str = "auto"):
         self.config, self.inv, self.family = config, inv, family_for(config.model_type)
         self.weight_format, self.kv_cache, self.max_context = weight_format, kv_cache, max_context
+        self.dense_format = dense_format
         self.compute_format = compute_format
         self.layers = tuple(inv.expert_layers)
         self.gpu_expert_format = "fp8" if inv.experts_fp8 else compute_format
@@ -279,19 +283,22 @@ class _Planner:
     def but(self, **changes: object) -> "_Planner":
         """The same planner with some options changed."""
         options = {"weight_format": self.weight_format, "kv_cache": self.kv_cache, "max_context": self.max_context,
-                   "compute_format": self.compute_format}
+                   "compute_format": self.compute_format, "dense_format": self.dense_format}
         return _Planner(self.config, self.inv, **{**options, **changes})
 
     def plan(self, preset: str, gpu_budget: int, cpu_budget: int, gpu_experts: bool, notes: list[str]) -> Plan:
         """gpu_budget 0 plans for the CPU alone. Raises _NoFit when VRAM or RAM is too small."""
         inv, gpu, notes, compute = self.inv, gpu_budget > 0, list(notes), self.compute_format
         dense_dev = "cuda" if gpu else "cpu"
-        dense_fmt = self._gpu_dense_format(gpu_budget) if gpu else compute
+        dense_fmt = self._gpu_dense_format(gpu_budget) if gpu else \
+            compute if self.dense_format == "auto" else self.dense_format
         parts = self._dense_parts(dense_dev, dense_fmt)
         notes.append(f"dense parts (mixers, shared experts, routers, norms, lm_head) on the "
                      f"{'GPU' if gpu else 'CPU'} in {dense_fmt}"
                      + (f" as the checkpoint stores them ({compute} where it is not fp8), dequantised per use: "
-                        f"{compute} would not leave room for the cache" if dense_fmt == "fp8" else ""))
+                        f"{compute} would not leave room for the cache" if dense_fmt == "fp8" else "")
+                     + (f" (weight-only, as asked; routers, gates and embeddings stay {compute})"
+                        if dense_fmt in QUANT else ""))
         embed = inv.bytes("embed_tokens", compute)
         if gpu:
             notes.append(f"reserved on the GPU: {format_bytes(CUDA_CONTEXT_BYTES)} CUDA context and "
@@ -351,15 +358,26 @@ class _Planner:
 
     def _dense_parts(self, device: str, fmt: str) -> list[PlanPart]:
         """The dense groups in `fmt`, a tied embedding with them (it is lm_head), and on a GPU its fixed reserves."""
-        inv = self.inv
-        parts = [PlanPart(g, device, inv.label(g, fmt), inv.bytes(g, fmt)) for g in DENSE_GROUPS if g in inv.groups]
+        parts = [self._dense_part(g, device, fmt) for g in DENSE_GROUPS if g in self.inv.groups]
         if self.tied:  # lm_head is embed_tokens: one tensor, where lm_head goes
             parts.insert(0, PlanPart("embed_tokens+lm_head (tied)", device, self.compute_format,
-                                     inv.bytes("embed_tokens", self.compute_format)))
+                                     self.inv.bytes("embed_tokens", self.compute_format)))
         if device == "cuda":
             parts += [PlanPart("cuda_context", "cuda", "-", CUDA_CONTEXT_BYTES),
                       PlanPart("workspace", "cuda", "-", GPU_WORKSPACE_BYTES)]
         return parts
+
+    def _dense_part(self, group: str, device: str, fmt: str) -> PlanPart:
+        """One dense group in `fmt`; in int8 / int4 only the matrices is_quantised_dense names are, the rest stay in
+        the compute format."""
+        inv = self.inv
+        if fmt not in QUANT:
+            return PlanPart(group, device, inv.label(group, fmt), inv.bytes(group, fmt))
+        tensors = inv.groups[group]
+        quantised = {name for name, (shape, _) in tensors.items() if is_quantised_dense(name, shape)}
+        size = sum(tensor_bytes(name, shape, dtype, fmt if name in quantised else self.compute_format)
+                   for name, (shape, dtype) in tensors.items())
+        return PlanPart(group, device, fmt if quantised else inv.label(group, self.compute_format), size)
 
     def _gpu_dense_format(self, gpu_budget: int) -> str:
         """The compute format, unless the checkpoint stores dense parts in FP8 and, in the compute format, they would
@@ -467,11 +485,13 @@ def _check_choice(what: str, value: object, choices: tuple[str, ...]) -> None:
 
 def make_plan(config: ModelConfig, tensors: Tensors, preset: str = "auto", weight_format: str = "auto",
               kv_cache: str = "auto", max_context: int | None = None, gpu_free: int | None = None,
-              cpu_free: int | None = None, has_cuda: bool | None = None, compute_format: str = "bf16") -> Plan:
+              cpu_free: int | None = None, has_cuda: bool | None = None, compute_format: str = "bf16",
+              dense_format: str = "auto") -> Plan:
     """Plans where every part of the model lives. gpu_free / cpu_free (bytes) and has_cuda default to this machine's
     (torch.cuda.mem_get_info, /proc/meminfo MemAvailable, torch.cuda.is_available)."""
     _check_choice("preset", preset, PRESET_NAMES)
     _check_choice("weight_format", weight_format, WEIGHT_FORMATS)
+    _check_choice("dense_format", dense_format, DENSE_FORMATS)
     _check_choice("kv_cache", kv_cache, KV_FORMATS)
     _check_choice("compute format", compute_format, tuple(FLOAT_FORMATS))
     limit = config.text.max_position_embeddings
@@ -482,8 +502,14 @@ def make_plan(config: ModelConfig, tensors: Tensors, preset: str = "auto", weigh
     if weight_format == "fp8" and inv.expert_layers and not inv.experts_fp8:
         raise PlacementError("weight_format 'fp8' keeps the checkpoint's FP8 experts, but this checkpoint stores "
                              "them unquantised; use int8, int4 or bf16 (or auto), or load the model's FP8 release.")
-    planner = _Planner(config, inv, weight_format, kv_cache, max_context, compute_format)
+    planner = _Planner(config, inv, weight_format, kv_cache, max_context, compute_format, dense_format)
     has_cuda = torch.cuda.is_available() if has_cuda is None else has_cuda
+    if dense_format != "auto" and preset != "cpu" and has_cuda:
+        raise PlacementError(f"dense_format {dense_format!r} is for dense parts computed by the CPU (torch's "
+                             f"weight-only {dense_format} kernels are CPU kernels), but preset {preset} on a CUDA device "
+                             "puts the dense parts on the GPU. Leave dense_format auto there (the compute dtype, or "
+                             "FP8 as released when VRAM is short), or pick preset cpu (or device cpu) to compute "
+                             f"everything on the CPU with {dense_format} dense matrices.")
     cpu_budget = available_ram() if cpu_free is None else cpu_free
     notes: list[str] = []
     if preset == "cpu" or not has_cuda:

@@ -1,6 +1,7 @@
 """One measurement of one system, in its own process (so peak RSS is that system's alone).
 
     python bench/worker.py ours --model DIR --dtype bfloat16 --format int4 --prefill 512 --decode 128
+    python bench/worker.py ours --model DIR --dtype bfloat16 --format int8 --dense-format int8
     python bench/worker.py transformers --model DIR --dtype float32 --prefill 512 --decode 128
     python bench/worker.py image-ttft [--model DIR]
     python bench/worker.py video-ttft [--model DIR]
@@ -54,7 +55,8 @@ def load_ours(args):
     from a3b_core import load_model
 
     started = time.perf_counter()
-    model = load_model(args.model, preset="cpu", compute_dtype=args.dtype, weight_format=args.format)
+    model = load_model(args.model, preset="cpu", compute_dtype=args.dtype, weight_format=args.format,
+                       dense_format=args.dense_format)
     return model, time.perf_counter() - started
 
 
@@ -88,7 +90,8 @@ def run_profile(args) -> None:
     greedy(model, prompt, 4)
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         greedy(model, prompt[:1], args.decode + 1)
-    print(f"our engine, compute {args.dtype}, experts {args.format}: {args.decode} decode steps (+1 prefill token)")
+    print(f"our engine, compute {args.dtype}, experts {args.format}, dense {args.dense_format}: {args.decode} decode "
+          "steps (+1 prefill token)")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
     print("by input shape:")
     print(prof.key_averages(group_by_input_shape=True).table(sort_by="self_cpu_time_total", row_limit=args.top))
@@ -204,6 +207,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="the model folder (image-ttft, video-ttft: default the demo model)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--format", default="auto", help="our routed-expert format: auto|fp32|bf16|fp8|int8|int4")
+    parser.add_argument("--dense-format", default="auto", help="our dense matrices' format: auto|int8|int4")
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)

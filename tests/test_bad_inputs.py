@@ -653,6 +653,7 @@ FOLDER_CASES = [
     Bad("preset-unknown", load_option(preset="4gb"), PlacementError, ("'4gb'",)),
     Bad("compute-dtype-unknown", load_option(compute_dtype="fp8"), ConfigError, ("'fp8'",)),
     Bad("weight-format-unknown", load_option(weight_format="q3_k"), PlacementError, ("'q3_k'",)),
+    Bad("dense-format-unknown", load_option(dense_format="q8_0"), PlacementError, ("dense_format", "'q8_0'")),
 ]
 
 IMAGE_CASES = [

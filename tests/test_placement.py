@@ -240,11 +240,36 @@ def test_ram_too_small_for_the_experts_names_what_would_fit():
         plan("bf16", "16gb", has_cuda=False, cpu_free=8 * GiB)
 
 
+@pytest.mark.parametrize("fmt, ratio", [("int8", 0.51), ("int4", 0.27)])
+def test_dense_format_counts_the_35b_dense_matrices_quantised(fmt, ratio):
+    """A cpu plan of the 35B with dense int8/int4: lm_head, mixers and shared experts shrink to ~0.51x / ~0.27x (their
+    fp32 vectors and the kept in_proj_a/b and shared-expert gates stay), routers and embedding as in bf16; the RAM
+    total drops by the difference and the summary says so."""
+    bf16 = plan("bf16", "cpu", cpu_free=128 * GiB)
+    quantised = plan("bf16", "cpu", cpu_free=128 * GiB, dense_format=fmt)
+    for name in ("lm_head", "mixers", "shared_experts"):
+        assert part(quantised, name).format == fmt
+        assert part(quantised, name).bytes / part(bf16, name).bytes == pytest.approx(ratio, abs=0.01), name
+    for name in ("routers", "embed_tokens", "norms", "routed_experts_cpu"):
+        assert part(quantised, name) == part(bf16, name)
+    saved = sum(part(bf16, n).bytes - part(quantised, n).bytes for n in ("lm_head", "mixers", "shared_experts"))
+    assert bf16.cpu_bytes - quantised.cpu_bytes == saved > (1.5 if fmt == "int8" else 2.2) * GiB
+    assert f"dense {fmt} on cpu" in quantised.summary() and quantised.dense_format == fmt
+
+
+@pytest.mark.parametrize("preset", ["8gb", "auto"])
+def test_dense_format_is_refused_for_dense_parts_on_a_gpu(preset):
+    with pytest.raises(PlacementError, match=r"dense_format 'int8' is for dense parts computed by the CPU.*pick "
+                                             r"preset cpu"):
+        plan("bf16", preset, gpu_free=24 * GiB, dense_format="int8")
+    assert plan("bf16", preset, has_cuda=False, dense_format="int8").dense_device == "cpu"  # no GPU: planned as cpu
+
+
 @pytest.mark.parametrize("bad", [dict(preset="6gb"), dict(weight_format="nf4"), dict(kv_cache="fp8"),
-                                 dict(max_context=0), dict(max_context=300_000)])
+                                 dict(max_context=0), dict(max_context=300_000), dict(dense_format="q8_0")])
 def test_bad_options_are_named(bad):
     preset = bad.pop("preset", "8gb")
-    with pytest.raises(PlacementError, match="6gb|nf4|fp8|max_context"):
+    with pytest.raises(PlacementError, match="6gb|nf4|fp8|max_context|dense_format 'q8_0'"):
         plan("bf16", preset, **bad)
 
 
@@ -352,6 +377,8 @@ def test_cli_plan_on_a_tiny_checkpoint(tiny_folder, capsys):
     assert doc["vision_device"] == "none" and all(x["device"] == "cpu" for x in doc["parts"])
     assert main(["plan", str(tiny_folder), "--preset", "8gb", "--vram", "8"]) == 0
     assert "A3B placement plan, preset 8gb" in capsys.readouterr().out
+    assert main(["plan", str(tiny_folder), "--preset", "cpu", "--dense-format", "int8"]) == 0
+    assert "on the CPU in int8 (weight-only, as asked" in capsys.readouterr().out
     assert main(["plan", str(tiny_folder), "--max-context", "100000"]) == 2
     assert capsys.readouterr().err.startswith("error: max_context 100000 is out of range")
 
@@ -367,3 +394,8 @@ def test_dense_model_with_tied_embeddings():
     assert p.expert_format_cpu == p.expert_format_gpu == "none" and p.gpu_expert_layers == ()
     assert part(p, "mlp").device == "cuda" and part(p, "embed_tokens+lm_head (tied)").device == "cuda"
     assert p.embed_device == "cuda" and expert_layout(parse_config(raw), tensors) == "none (dense MLP)"
+    # dense int8 on the CPU: the tied table stays in the compute format (it is the embedding), the rest is int8
+    cpu = make_plan(parse_config(raw), tensors, "cpu", cpu_free=RAM, dense_format="int8")
+    assert part(cpu, "embed_tokens+lm_head (tied)") == part(make_plan(parse_config(raw), tensors, "cpu", cpu_free=RAM),
+                                                            "embed_tokens+lm_head (tied)")
+    assert part(cpu, "mlp").format == part(cpu, "mixers").format == "int8"

@@ -3,7 +3,8 @@ named as in the checkpoint.
 
 On the CPU (products.py, packed.py, experts.py): bf16 Linears and float experts of the text model take torch's
 matrix-vector kernel for one or two rows, input projections that read the same input are fused into one product,
-and the vision tower's bf16 matrices are packed for oneDNN. Quantised expert stores and FP8 dense layers
+and the vision tower's bf16 matrices are packed for oneDNN. With dense_format int8 or int4 the text model's dense
+matrices are quantised first (dense.py); an owner whose input projections are then not all bf16 Linears is not fused. Quantised expert stores and FP8 dense layers
 (experts.py) are built by the family's loader; int8 and FP8 ones on the CPU compute a decoding step's routed
 experts in one numba call per layer (kernel_experts.py, cpu_kernels.py) when numba is there. heap.py keeps the C
 heap's freed memory for reuse while a generation runs, when asked. The constants tuned for one CPU live in
@@ -15,7 +16,8 @@ from collections.abc import Callable
 
 from torch import nn
 
-from .experts import CpuFloatExperts
+from .dense import quantize_dense
+from .experts import CONVERTED_FORMATS, CpuFloatExperts
 from .kernel_experts import swap_in_kernels
 from .packed import pack_cpu_linears
 from .products import CpuLinear, fuse_input_projections
@@ -27,9 +29,12 @@ def is_float_experts(module: nn.Module) -> bool:
 
 
 def prepare_cpu(text: nn.Module, vision: nn.Module | None, release_text: Callable[[str], None],
-                release_vision: Callable[[str], None]) -> None:
+                release_vision: Callable[[str], None], dense_format: str = "bf16") -> None:
     """The CPU's swaps on a placed model (modules on a GPU are left as they are). `release_*(name)` is told each
-    swapped module whose checkpoint pages can be dropped."""
+    swapped module whose checkpoint pages can be dropped. `dense_format` is the plan's: int8 / int4 quantises the
+    text model's dense matrices on the CPU (dense.py); a float format keeps them as loaded."""
+    if dense_format in CONVERTED_FORMATS:
+        quantize_dense(text, dense_format, release_text)
     fuse_input_projections(text, release_text)
     for name, module in list(text.named_modules()):
         parent, _, leaf = name.rpartition(".")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from a3b_core.options import CHAT_TEMPLATES, KV_FORMATS, WEIGHT_FORMATS
+from a3b_core.options import CHAT_TEMPLATES, DENSE_FORMATS, KV_FORMATS, WEIGHT_FORMATS
 from a3b_core.sampling import resolve_sampling
 from tests.integration.comfy_server import PACK_NAME
 from tests.integration.conftest import BROKEN_MODEL, TINY_MODEL
@@ -12,7 +12,7 @@ pytestmark = pytest.mark.comfyui
 
 EXPECTED = {
     "A3BModelLoader": ("A3B Model Loader", ["model", "vram_preset", "weight_format", "kv_cache", "max_context",
-                                            "keep_loaded", "device", "chat_template"], ["A3B_MODEL"]),
+                                            "keep_loaded", "device", "chat_template", "dense_format"], ["A3B_MODEL"]),
     "A3BRemoteModel": ("A3B Remote Model", ["base_url", "model", "api_key_env", "timeout"], ["A3B_MODEL"]),
     "A3BImageEncode": ("A3B Image Encode", ["model", "image", "size", "resize", "srgb"], ["A3B_IMAGES"]),
     "A3BVideoEncode": ("A3B Video Encode", ["model", "frame_rate", "fps", "max_frames", "max_frame_tokens", "video",
@@ -71,7 +71,10 @@ def test_loader_offers_the_demo_and_the_llm_folder_models(object_info: dict) -> 
     assert inputs["device"][1]["options"] == ["auto", "cpu"] and inputs["device"][1]["default"] == "auto"
     assert inputs["chat_template"][1]["options"] == list(CHAT_TEMPLATES)
     assert inputs["chat_template"][1]["default"] == "auto"
-    assert list(object_info["A3BModelLoader"]["input"]["optional"]) == ["device", "chat_template"]
+    assert inputs["dense_format"][1]["options"] == list(DENSE_FORMATS)
+    assert inputs["dense_format"][1]["default"] == "auto"
+    assert all(word in inputs["dense_format"][1]["tooltip"] for word in ("memory", "accuracy", "CPU"))
+    assert list(object_info["A3BModelLoader"]["input"]["optional"]) == ["device", "chat_template", "dense_format"]
 
 
 def test_generate_defaults_are_qwens_non_thinking_settings(object_info: dict) -> None:

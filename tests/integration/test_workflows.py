@@ -168,3 +168,13 @@ def test_keep_loaded_off_frees_the_model_after_each_generation(comfy: ComfyServe
     released_before = comfy.log_text().count("A3B model released")
     _succeeded(comfy, comfy.run(graph))
     assert comfy.log_text().count("A3B model released") == released_before + 1
+
+
+def test_the_loaders_dense_format_reaches_the_engine(comfy: ComfyServer) -> None:
+    graph = _set_inputs(load_api_workflow("comic_storyboard"), "A3BModelLoader", dense_format="int8", keep_loaded=False)
+    graph = _set_inputs(graph, "A3BGenerate", seed=61, max_new_tokens=8)
+    entry = comfy.run(graph)
+    _succeeded(comfy, entry)
+    (loader,) = _nodes(graph, "A3BModelLoader")
+    (summary,) = entry["outputs"][loader]["a3b_plan"]
+    assert "dense int8 on cpu" in summary, summary
