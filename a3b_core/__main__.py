@@ -15,8 +15,8 @@ from .checkpoint import Checkpoint
 from .engine import DEMO_MODEL_NAME, DEMO_MODELS, load_model, resolve_model_path
 from .errors import A3BError, ImageError
 from .models import family_for, load_config
-from .options import (DENSE_FORMATS, DEVICE_CHOICES, KV_FORMATS, PRESET_NAMES, RESIZE_MODES, WEIGHT_FORMATS, GenerationOptions,
-                      LoadOptions)
+from .options import (DENSE_FORMATS, DEVICE_CHOICES, KV_FORMATS, PRESET_NAMES, RESIZE_MODES, WEIGHT_FORMATS,
+                      GenerationOptions, LoadOptions)
 from .placement import GiB, format_bytes, plan_for_folder
 
 MODEL_HELP = f"model folder (config.json + .safetensors), or an embedded demo model: {', '.join(DEMO_MODELS)}"

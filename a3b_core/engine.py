@@ -428,7 +428,8 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     dtype = resolve_compute_dtype(compute_dtype, device)
     plan = make_plan(config, {n: (i.shape, i.dtype) for n, i in ckpt.infos.items()}, preset,
                      weight_format=weight_format, dense_format=dense_format, kv_cache=kv_cache,
-                     max_context=max_context, has_cuda=device.type == "cuda", gpu_free=devices.free_bytes(device), cpu_free=ram_budget,
+                     max_context=max_context, has_cuda=device.type == "cuda", gpu_free=devices.free_bytes(device),
+                     cpu_free=ram_budget,
                      compute_format=FORMAT_OF_DTYPE[dtype])
 
     def where(plan_device: str) -> torch.device:

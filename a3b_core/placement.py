@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
+from .backends.dense import is_quantised_dense
 from .checkpoint import FP8_DTYPES, Checkpoint
 from .config import ModelConfig
 from .errors import PlacementError
 from .models import family_for, load_config
-from .backends.dense import is_quantised_dense
 from .options import DENSE_FORMATS, FLOAT_FORMATS, KV_FORMATS, PRESET_NAMES, WEIGHT_FORMATS
 from .weights import stays_fp32
 
@@ -506,10 +506,10 @@ def make_plan(config: ModelConfig, tensors: Tensors, preset: str = "auto", weigh
     has_cuda = torch.cuda.is_available() if has_cuda is None else has_cuda
     if dense_format != "auto" and preset != "cpu" and has_cuda:
         raise PlacementError(f"dense_format {dense_format!r} is for dense parts computed by the CPU (torch's "
-                             f"weight-only {dense_format} kernels are CPU kernels), but preset {preset} on a CUDA device "
-                             "puts the dense parts on the GPU. Leave dense_format auto there (the compute dtype, or "
-                             "FP8 as released when VRAM is short), or pick preset cpu (or device cpu) to compute "
-                             f"everything on the CPU with {dense_format} dense matrices.")
+                             f"weight-only {dense_format} kernels are CPU kernels), but preset {preset} on a CUDA "
+                             "device puts the dense parts on the GPU. Leave dense_format auto there (the compute "
+                             "dtype, or FP8 as released when VRAM is short), or pick preset cpu (or device cpu) to "
+                             f"compute everything on the CPU with {dense_format} dense matrices.")
     cpu_budget = available_ram() if cpu_free is None else cpu_free
     notes: list[str] = []
     if preset == "cpu" or not has_cuda:

@@ -4,10 +4,11 @@ named as in the checkpoint.
 On the CPU (products.py, packed.py, experts.py): bf16 Linears and float experts of the text model take torch's
 matrix-vector kernel for one or two rows, input projections that read the same input are fused into one product,
 and the vision tower's bf16 matrices are packed for oneDNN. With dense_format int8 or int4 the text model's dense
-matrices are quantised first (dense.py); an owner whose input projections are then not all bf16 Linears is not fused. Quantised expert stores and FP8 dense layers
-(experts.py) are built by the family's loader; int8 and FP8 ones on the CPU compute a decoding step's routed
-experts in one numba call per layer (kernel_experts.py, cpu_kernels.py) when numba is there. heap.py keeps the C
-heap's freed memory for reuse while a generation runs, when asked. The constants tuned for one CPU live in
+matrices are quantised first (dense.py); an owner whose input projections are then not all bf16 Linears is not
+fused. Quantised expert stores and FP8 dense layers (experts.py) are built by the family's loader; int8 and FP8
+ones on the CPU compute a decoding step's routed experts in one numba call per layer (kernel_experts.py,
+cpu_kernels.py) when numba is there. heap.py keeps the C heap's freed memory for reuse while a generation runs, when
+asked. The constants tuned for one CPU live in
 products.py and experts.py and say which CPU.
 """
 from __future__ import annotations
