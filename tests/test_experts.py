@@ -30,6 +30,21 @@ def test_stack_matmul_matches_its_dequantised_weights(fmt, rows):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_a_matrix_set_in_row_parts_is_stored_as_set_whole(fmt):
+    """QuantizedLinear quantises a large matrix (an lm_head) a part at a time; 320 rows: two whole parts and a tail."""
+    torch.manual_seed(0)
+    w = torch.randn(320, 256) * 0.05
+    whole, parts = QuantizedStack(fmt, (1, 320, 256)), QuantizedStack(fmt, (1, 320, 256))
+    whole.set(0, w)
+    for first in (0, 128, 256):
+        parts.set(0, w[first:first + 128], first)
+    for a, b in zip(whole.buffers(), parts.buffers()):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    with pytest.raises(ValueError, match="multiples of 128 rows"):
+        parts.set(0, w[:64], 64)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_expert_bytes_relative_to_bf16(fmt):
     e, out, inp = 8, 512, 1024
     stack = QuantizedStack(fmt, (e, out, inp))

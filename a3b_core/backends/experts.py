@@ -29,6 +29,9 @@ INT8_KERNEL_MAX_ROWS = 32
 # int8 matrices are stored as column chunks of this many inputs, one kernel call each: the kernel reads a [out, 512]
 # matrix faster per byte than a [out, 1024] one (+10-12% decode with int8 experts on an AVX-512 EPYC).
 INT8_K_CHUNK = 512
+# QuantizedStack.set may fill a matrix a part at a time at multiples of this many rows: a whole FP8 scale block, and
+# whole blocks of torch's int4 packing (32 or 64 rows, by instruction set).
+SET_ROWS_MULTIPLE = 128
 
 
 class CpuFloatExperts(nn.Module):
@@ -73,17 +76,25 @@ class QuantizedStack(nn.Module):
         else:
             raise ValueError(f"unknown quantised format {fmt!r}")
 
-    def set(self, e: int, w: torch.Tensor) -> None:
-        """Quantises one expert's fp32 matrix [out, in] into slot e."""
+    def set(self, e: int, w: torch.Tensor, first_row: int = 0) -> None:
+        """Quantises one expert's fp32 matrix [out, in] into slot e; or, from `first_row` on, some of its rows [n, in]
+        (n a multiple of SET_ROWS_MULTIPLE unless they end the matrix), which quantise as they would in the whole."""
+        rows = slice(first_row, first_row + w.shape[0])
+        if first_row % SET_ROWS_MULTIPLE or (rows.stop != self.shape[1] and w.shape[0] % SET_ROWS_MULTIPLE):
+            raise ValueError(f"rows {rows.start}:{rows.stop} of {self.shape[1]}: a part must start and end at "
+                             f"multiples of {SET_ROWS_MULTIPLE} rows (or at the matrix's end)")
         if self.fmt == "int8":
             q, scale = quantize_int8(w)
-            q = q.view(q.shape[0], -1, self.chunk).transpose(0, 1)  # [chunks, out, chunk]
+            self.q[e, :, rows].copy_(q.view(q.shape[0], -1, self.chunk).transpose(0, 1))  # [chunks, out, chunk]
+            self.scale[e, rows].copy_(scale)
         elif self.fmt == "int4":
             q, scale = quantize_int4(w, self.group)
+            self.q[e, rows].copy_(q)  # torch packs rows in blocks of 32 or 64, each block's bytes its own rows'
+            self.scale[e, :, rows].copy_(scale)
         else:
             q, scale = quantize_fp8(w)
-        self.q[e].copy_(q)
-        self.scale[e].copy_(scale)
+            self.q[e, rows].copy_(q)
+            self.scale[e, rows.start // FP8_BLOCK:-(-rows.stop // FP8_BLOCK)].copy_(scale)
 
     def set_fp8(self, e: int, q: torch.Tensor, scale_inv: torch.Tensor) -> None:
         """Stores an FP8 matrix as released (no requantisation)."""
