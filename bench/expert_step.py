@@ -1,6 +1,6 @@
 """One layer's routed-expert step on the CPU: torch's per-expert products vs the numba kernel (kernel_experts.py).
 
-    python bench/expert_step.py                       # int8 and FP8, 1 row, 2 threads
+    python bench/expert_step.py                       # int8, FP8 and bf16, 1 row, 2 threads
     python bench/expert_step.py --rows 4 --formats int8
 
 The bench model's shapes (hidden 1024, moe_intermediate 512, 64 experts, top-8) with 16 layers of random weights in
@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: bench.*, a3b_core
 
-from a3b_core.backends.experts import QuantizedExperts  # noqa: E402
+from a3b_core.backends.experts import CpuFloatExperts, QuantizedExperts  # noqa: E402
 from a3b_core.backends.kernel_experts import KernelExperts, compiled_kernels  # noqa: E402
 from a3b_core.models.layers import RoutedExperts  # noqa: E402
 from bench.roofline import measure_bandwidth  # noqa: E402
@@ -32,9 +32,12 @@ from bench.roofline import measure_bandwidth  # noqa: E402
 HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 1024, 512, 64, 8, 16
 
 
-def random_store(fmt: str, g: torch.Generator) -> QuantizedExperts:
+def random_store(fmt: str, g: torch.Generator) -> QuantizedExperts | CpuFloatExperts:
     """A layer's experts in `fmt` with random contents (valid codes and scales; quantising real matrices would take
-    minutes and read no differently)."""
+    minutes and read no differently); bf16 as loading places float experts on the CPU."""
+    if fmt == "bf16":
+        return CpuFloatExperts(*(torch.nn.Parameter(torch.randn(shape, generator=g).bfloat16() * 0.02)
+                                 for shape in ((EXPERTS, 2 * INTER, HIDDEN), (EXPERTS, HIDDEN, INTER))))
     store = QuantizedExperts(fmt, EXPERTS, HIDDEN, INTER)
     for stack in (store.gate_up_proj, store.down_proj):
         raw = torch.randint(0, 256, stack.q.shape, generator=g, dtype=torch.uint8)
@@ -65,7 +68,7 @@ def time_steps(layers: list[RoutedExperts], rows: int, steps: int, g: torch.Gene
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--formats", default="int8,fp8")
+    parser.add_argument("--formats", default="int8,fp8,bf16")
     parser.add_argument("--rows", type=int, default=1, help="rows per step: sequences decoded together")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)

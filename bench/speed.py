@@ -305,7 +305,8 @@ def main() -> None:
     parser.add_argument("--baseline", default="",
                         help="commits (comma-separated) whose engine runs each --ours configuration too, in the same "
                              "rounds, e.g. to compare a change with the commit before it")
-    parser.add_argument("--llama-types", default="bf16,q8_0", help="GGUF types for llama.cpp (bf16, q8_0, q4_0, f32)")
+    parser.add_argument("--llama-types", default="bf16,q8_0,q4_k_m",
+                        help="GGUF types for llama.cpp (bf16, q8_0, q4_k_m, q4_0, f32: any llama-quantize takes)")
     parser.add_argument("--llama-cpp", type=Path, default=os.environ.get("A3B_LLAMA_CPP"),
                         help="an already built llama.cpp tree (build/bin/llama-bench); default $A3B_LLAMA_CPP, else "
                              "the bench cache's own build")

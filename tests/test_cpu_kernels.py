@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from a3b_core import load_model
-from a3b_core.backends.experts import QuantizedExperts
-from a3b_core.backends.kernel_experts import KernelExperts, compiled_kernels, kernels_enabled, swap_in_kernels
+from a3b_core.backends.experts import CpuFloatExperts, QuantizedExperts
+from a3b_core.backends.kernel_experts import KernelExperts, compiled_kernels, kernels_enabled, matrix, swap_in_kernels
 from a3b_core.models.layers import RoutedExperts
 from tests.fake_cuda import FakeCuda
 
@@ -22,8 +22,12 @@ EXACT_BOUND = 1e-5
 TORCH_PATH_BOUND = 2e-2
 
 
-def make_store(fmt: str) -> QuantizedExperts:
+def make_store(fmt: str) -> QuantizedExperts | CpuFloatExperts:
+    """A layer's experts in `fmt`: a quantised store, or bf16 float experts as loading places them on the CPU."""
     g = torch.Generator().manual_seed(0)
+    if fmt == "bf16":
+        return CpuFloatExperts(*(torch.nn.Parameter(torch.randn(shape, generator=g).bfloat16() * 0.05)
+                                 for shape in ((EXPERTS, 2 * INTER, HIDDEN), (EXPERTS, HIDDEN, INTER))))
     store = QuantizedExperts(fmt, EXPERTS, HIDDEN, INTER)
     for e in range(EXPERTS):
         store.gate_up_proj.set(e, torch.randn(2 * INTER, HIDDEN, generator=g) * 0.05)
@@ -40,12 +44,12 @@ def routing(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, top_i, top_p
 
 
-def fp64_step(store: QuantizedExperts, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def fp64_step(store: QuantizedExperts | CpuFloatExperts, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for e, w in zip(top_i[t].tolist(), top_p[t].tolist()):
-            gate, up = (store.gate_up_proj.dequantize(e).double() @ x[t].double()).chunk(2)
-            out[t] += w * store.down_proj.dequantize(e).double() @ (F.silu(gate) * up)
+            gate, up = (matrix(store.gate_up_proj, e).double() @ x[t].double()).chunk(2)
+            out[t] += w * matrix(store.down_proj, e).double() @ (F.silu(gate) * up)
     return out
 
 
@@ -61,7 +65,7 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
 def test_kernel_step_equals_the_stores_step(fmt, rows, one_thread):
     store = make_store(fmt)
     x, top_i, top_p = routing(rows)
@@ -91,7 +95,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(threads):
     assert torch.equal(together, torch.cat(alone))
 
 
-@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
 def test_prefill_takes_the_stores_products(fmt, one_thread):
     store = make_store(fmt)
     rows = 12
@@ -129,6 +133,21 @@ def test_models_decode_the_same_with_kernels(fixtures, fmt, monkeypatch, one_thr
     torch_logits = torch_path.logits(torch.cat([ids[0], torch.tensor(tokens)])[None])[0, ids.shape[1] - 1:-1]
     chosen = torch_logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
     assert (torch_logits.max(dim=1).values - chosen).max() < MODEL_LOGIT_BOUND
+
+
+def test_bf16_experts_with_kernels_compute_as_the_float32_reference(fixtures, monkeypatch, one_thread):
+    """bf16 experts of a BF16 release hold its weights exactly, and the kernel sums in fp32 without rounding the
+    activations to bf16 (torch's bf16 products do, which flips a router choice of this model: 0.58 off in a logit),
+    so with fp32 compute it gives the fp32 reference's logits and greedy tokens."""
+    folder = fixtures.moe_fused_bf16
+    ids = fixtures.refs(folder)["text.input_ids"][:, :1]
+    monkeypatch.delenv("A3B_NO_NUMBA", raising=False)  # whatever the run's own setting
+    with_kernels = load_model(folder, preset="cpu", compute_dtype="float32", weight_format="bf16")
+    reference = load_model(folder, preset="cpu", compute_dtype="float32")
+    assert kernel_stores(with_kernels) == len(with_kernels.text.layers) and kernel_stores(reference) == 0
+    assert (with_kernels.logits(ids) - reference.logits(ids)).abs().max() < 1e-4
+    assert (with_kernels.generate(ids[0], max_new_tokens=8, temperature=0).token_ids
+            == reference.generate(ids[0], max_new_tokens=8, temperature=0).token_ids)
 
 
 def test_bfloat16_rows_come_back_in_bfloat16(one_thread):

@@ -2,16 +2,18 @@
 
 Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row
 in loops over its contiguous bytes that LLVM vectorises (int8: converted as they are summed, the sum times the row's
-scale; FP8 e4m3: turned into fp32 by shifting bits, with no table, each 128-column block's sum times its block's
-scale); a parallel work item reads a block of consecutive rows of one expert, so the weights stream from memory in
+scale; FP8 e4m3 and bf16: turned into fp32 by shifting bits, with no table, FP8's 128-column block sums times their
+block's scale); a parallel work item reads a block of consecutive rows of one expert, so the weights stream from memory in
 long runs. A chosen expert's rows are read once per call however many activation rows routed to it (the repeats
 hit the cache), and each row's result is the same whatever other rows share the call (batches decode as their rows
 would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32 rounding of a sum, far below the
 formats' own.
 
-Arrays (all C-contiguous, so one compiled signature serves both formats and the compile is done once per machine):
-    q       int8 [E, chunks, out, width]: int8 as torch's store holds it (column chunks), FP8 e4m3 bytes [E, 1, out, in]
-    scale   float32: int8 [E, out, 1] (per row), FP8 [E, ceil(out/128), ceil(in/128)] (per 128x128 block, as released)
+Arrays (all C-contiguous, so two compiled signatures serve the three formats, each compiled once per machine):
+    q       int8 [E, chunks, out, width]: int8 as torch's store holds it (column chunks), FP8 e4m3 bytes [E, 1, out, in];
+            int16 [E, 1, out, in]: bf16's bit patterns (turned into fp32 by a 16-bit shift)
+    scale   float32: int8 [E, out, 1] (per row), FP8 [E, ceil(out/128), ceil(in/128)] (per 128x128 block, as released);
+            bf16 has none (any float32 array of three dimensions)
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-INT8, FP8 = 0, 1
+INT8, FP8, BF16 = 0, 1, 2
 FP8_BLOCK = 128  # the released FP8 checkpoints' scale blocks (backends.experts.FP8_BLOCK)
 ROW_BLOCK = 16  # output rows per parallel work item: small enough to balance threads over one expert's rows
 E4M3_BITS = np.int32(-0x78000001)  # 0x87FFFFFF: sign, fp32 exponent and mantissa bits an e4m3 byte fills
@@ -35,7 +37,7 @@ def set_threads(threads: int) -> None:
 @njit(cache=True, fastmath=FAST)
 def row_dot(fmt, q, scale, e, r, x, bits):
     """Row r of expert e's matrix (scales applied) dotted with x, in fp32, in loops over the row's contiguous bytes
-    that LLVM vectorises. `bits` is int32 scratch of at least the row's length (FP8)."""
+    that LLVM vectorises. `bits` is int32 scratch of at least the row's length (FP8, bf16)."""
     acc = np.float32(0.0)
     if fmt == INT8:
         width = q.shape[3]
@@ -45,11 +47,18 @@ def row_dot(fmt, q, scale, e, r, x, bits):
             for j in range(width):
                 acc += np.float32(src[j]) * part[j]
         return acc * scale[e, r, 0]
+    src = q[e, 0, r]
+    n = x.shape[0]
+    if fmt == BF16:  # bf16 is the top half of fp32: the bits sign-extended, shifted into place
+        for k in range(n):
+            bits[k] = np.int32(src[k]) << 16
+        values = bits[:n].view(np.float32)
+        for k in range(n):
+            acc += values[k] * x[k]
+        return acc
     # e4m3 -> fp32 bits: the byte sign-extended and shifted so that its 7 low bits land at fp32's exponent and
     # mantissa and its sign at the top, the sign's copies in between cleared; the float is then 2^-120 of the value
     # (e4m3 subnormals become fp32 subnormals, exact). NaN codes (no released checkpoint holds them) read as 480.
-    src = q[e, 0, r]
-    n = x.shape[0]
     for k in range(n):
         bits[k] = (np.int32(src[k]) << 20) & E4M3_BITS
     values = bits[:n].view(np.float32)
