@@ -1,11 +1,14 @@
 """CPU products: one-row bf16 products as matrix-vector products (fp32 sums), fused input projections, and the
 vision tower's oneDNN-packed matrices (the same products as torch's plain bf16 path, to the bit)."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from a3b_core import load_model
 from a3b_core.backends.experts import CpuFloatExperts
+from a3b_core.backends.kernel_experts import KernelExperts, kernels_enabled
 from a3b_core.backends.packed import PackedLinear, packing_available
 from a3b_core.backends.products import FusedLinear, linear
 from a3b_core.checkpoint import Checkpoint
@@ -52,13 +55,23 @@ def test_packed_linear_equals_plain_bf16(shape, with_bias):
     assert torch.equal(PackedLinear(w, bias)(x), F.linear(x, w, None if bias is None else bias.bfloat16()))
 
 
+def cpu_float_experts(text: torch.nn.Module) -> list[torch.nn.Module]:
+    """The text model's bf16 expert stores on the CPU: as CpuFloatExperts, or as the numba kernel's swap of them
+    (each then read through `gate_up_proj.q` / `down_proj.q`, the same tensors)."""
+    stores = [m for m in text.modules() if isinstance(m, CpuFloatExperts)]
+    kernels = [SimpleNamespace(gate_up_proj=m.gate_up_proj.q, down_proj=m.down_proj.q) for m in text.modules()
+               if isinstance(m, KernelExperts) and m.fmt == "bf16"]
+    assert not (stores and kernels) and bool(kernels) == kernels_enabled()
+    return stores + kernels
+
+
 def test_bf16_cpu_load_fuses_projections_packs_vision_and_fp32_neither(fixtures):
     model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", weight_format="bf16")
     text = model.text
     owners = [m for m in text.modules() if hasattr(m, "input_projections")]
     assert len(owners) == 2 * len(text.layers)  # each layer's mixer and MoE
     assert all(isinstance(m.fused_projection, FusedLinear) for m in owners)
-    assert sum(isinstance(m, CpuFloatExperts) for m in text.modules()) == len(text.layers)
+    assert len(cpu_float_experts(text)) == len(text.layers)
     assert not any(isinstance(m, torch.nn.Linear) for m in text.modules())  # each took the matrix-vector route
     if packing_available():
         assert not any(isinstance(m, torch.nn.Linear) for m in model.vision.modules())
@@ -76,9 +89,9 @@ def test_the_qwen3_vl_decoder_takes_the_same_cpu_swaps_on_contiguous_experts():
     owners = [m for m in text.modules() if hasattr(m, "input_projections")]
     assert len(owners) == 2 * len(text.layers)  # each layer's attention and MoE
     assert all(isinstance(m.fused_projection, FusedLinear) for m in owners)
-    experts = [m for m in text.modules() if isinstance(m, CpuFloatExperts)]
+    experts = cpu_float_experts(text)
     assert len(experts) == len(text.layers)
-    assert all(e.gate_up_proj.is_contiguous() and e.down_proj.is_contiguous() for e in experts)
+    assert all(tensor.is_contiguous() for e in experts for tensor in (e.gate_up_proj, e.down_proj))
     assert not any(isinstance(m, torch.nn.Linear) for m in text.modules())
 
     with torch.device("meta"):

@@ -114,6 +114,11 @@ class KernelMatrices(nn.Module):
         else:
             self.arrays = (q[:, None], self.scale.numpy())
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The stored elements' dtype (bf16 for float experts, as the tensor it replaces)."""
+        return self.q.dtype
+
 
 class KernelExperts(nn.Module):
     """A layer's int8, FP8 or bf16 routed experts on the CPU whose decoding step is one kernel call (`routed_step`);
