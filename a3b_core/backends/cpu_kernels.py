@@ -34,7 +34,8 @@ def set_threads(threads: int) -> None:
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
 
 
-@njit(cache=True, fastmath=FAST)
+# inlined where it is called (numba's own inlining): as a called function its loops ran 1.5x slower on an AVX-512 EPYC
+@njit(cache=True, fastmath=FAST, inline="always")
 def row_dot(fmt, q, scale, e, r, x, bits):
     """Row r of expert e's matrix (scales applied) dotted with x, in fp32, in loops over the row's contiguous bytes
     that LLVM vectorises. `bits` is int32 scratch of at least the row's length (FP8, bf16)."""

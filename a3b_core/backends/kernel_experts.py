@@ -11,10 +11,10 @@ on the other rows, while a prefill's path would then depend on how many rows a b
 
 Applied at load by prepare_cpu as a module swap of CPU expert stores in int8, FP8 (as released: 128x128 block
 scales, decoded in the kernel by shifting bits, so FP8 checkpoints need no converted cache) and bf16, reading the
-store's tensors as they are. For bf16 the kernel saves torch's per-expert calls (about 50 a layer) and read 8
-experts' 1024x1024 matrices 1.1x as fast as torch's matrix-vector kernel in bench/expert_step.py. int4 experts keep
-torch's products: torch's int4 kernel was faster than a numba decode of its nibbles. fp32 experts (the reference
-path) keep torch's products too.
+store's tensors as they are. bf16 experts are summed in fp32 from their exact weights (torch's bf16 products round
+the activations to bf16), and the kernel saves torch's per-expert calls: in bench/expert_step.py its step ran 1.34x
+as fast as torch's products for one row, 1.79x for four. int4 experts keep torch's products: torch's int4 kernel was
+faster than a numba decode of its nibbles. fp32 experts (the reference path) keep torch's products too.
 
 numba compiles the kernel on first use and keeps it in its on-disk cache: in this package's __pycache__ when that is
 writable, else in the user's cache directory (numba's own choice; NUMBA_CACHE_DIR overrides it). Nothing is swapped,
