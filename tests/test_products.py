@@ -10,7 +10,9 @@ from a3b_core import load_model
 from a3b_core.backends.experts import CpuFloatExperts
 from a3b_core.backends.kernel_experts import KernelExperts, kernels_enabled
 from a3b_core.backends.packed import PackedLinear, packing_available
-from a3b_core.backends.products import FusedLinear, linear
+from a3b_core import backends
+from a3b_core.backends import products
+from a3b_core.backends.products import CpuLinear, FusedLinear, linear
 from a3b_core.checkpoint import Checkpoint
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 
@@ -26,6 +28,34 @@ def test_products_are_fp32_sums_rounded_once(rows):
     x = torch.randn(rows, 1024).bfloat16()
     # within one bf16 step of the exact product: sums in fp32, rounded to bf16 once
     torch.testing.assert_close(linear(x, w).float(), bf16_rounded_reference(x, w).float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_cpu_without_bf16_matrix_kernels_multiplies_in_fp32(native, monkeypatch):
+    """Where oneDNN has no bf16 kernels (CPUs without AVX-512), products of more rows than the matrix-vector kernel
+    takes widen to fp32, the weights a block of rows at a time (a small block here, so the blocks are joined), and
+    round once: the result is the fp32 product rounded to bf16, the bias added before the rounding."""
+    monkeypatch.setattr(products, "bf16_matmul_is_native", lambda: native)
+    monkeypatch.setattr(products, "WIDENED_ROWS", 100)
+    torch.manual_seed(0)
+    w, bias = (torch.randn(384, 256) * 0.05).bfloat16(), torch.randn(384).bfloat16()
+    x = torch.randn(2, 5, 256).bfloat16()
+    got = linear(x, w, bias)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 5, 384)
+    want = (F.linear(x.double(), w.double()) + bias.double()).bfloat16()
+    if native:  # oneDNN's own bf16 product: within one bf16 step
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    else:
+        assert torch.equal(got, (F.linear(x.float(), w.float()) + bias.float()).bfloat16())
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
+def test_vision_linears_take_the_widened_products_where_nothing_packs(fixtures, monkeypatch):
+    monkeypatch.setattr(backends, "packing_available", lambda: False)
+    model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", weight_format="bf16")
+    linears = [m for m in model.vision.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, CpuLinear))]
+    assert linears and all(isinstance(m, CpuLinear) for m in linears)
+    assert any(m.bias is not None for m in linears)
 
 
 def test_one_row_product_leaves_onednn_switched_on():
@@ -104,5 +134,8 @@ def test_the_qwen3_vl_decoder_takes_the_same_cpu_swaps_on_contiguous_experts():
         reference = plain(plain.embed_tokens(ids), positions)
         one_row = [text(text.embed_tokens(ids[:, :1]), positions[..., :1]),
                    plain(plain.embed_tokens(ids[:, :1]), positions[..., :1])]
-    assert torch.equal(swapped, reference)
+    if products.bf16_matmul_is_native():
+        assert torch.equal(swapped, reference)
+    else:  # the swapped model's products of many rows are widened to fp32 and rounded once, torch's plain ones not
+        torch.testing.assert_close(swapped, reference, atol=0.05, rtol=0.02)
     torch.testing.assert_close(*one_row, atol=0.05, rtol=0.02)  # the matrix-vector kernel sums in another order

@@ -3,24 +3,25 @@ named as in the checkpoint.
 
 On the CPU (products.py, packed.py, experts.py): bf16 Linears and float experts of the text model take torch's
 matrix-vector kernel for one or two rows, input projections that read the same input are fused into one product,
-and the vision tower's bf16 matrices are packed for oneDNN. With dense_format int8 or int4 the text model's dense
-matrices are quantised first (dense.py); an owner whose input projections are then not all bf16 Linears is not
-fused. Quantised expert stores and FP8 dense layers (experts.py) are built by the family's loader; int8 and FP8
-ones on the CPU compute a decoding step's routed experts in one numba call per layer (kernel_experts.py,
-cpu_kernels.py) when numba is there. heap.py keeps the C heap's freed memory for reuse while a generation runs, when
-asked. The constants tuned for one CPU live in
-products.py and experts.py and say which CPU.
+and the vision tower's bf16 matrices are packed for oneDNN. Where oneDNN has no bf16 kernels (CPUs without AVX-512)
+bf16 products of more rows, the vision tower's included, are computed in fp32. With dense_format int8 or int4 the
+text model's dense matrices are quantised first (dense.py); an owner whose input projections are then not all bf16
+Linears is not fused. Quantised expert stores and FP8 dense layers (experts.py) are built by the family's loader;
+int8, FP8 and bf16 ones on the CPU compute a decoding step's routed experts in one numba call per layer
+(kernel_experts.py, cpu_kernels.py) when numba is there. heap.py keeps the C heap's freed memory for reuse while a
+generation runs, when asked. The constants tuned for one CPU live in products.py and experts.py and say which CPU.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from .dense import quantize_dense
 from .experts import CONVERTED_FORMATS, CpuFloatExperts
 from .kernel_experts import swap_in_kernels
-from .packed import pack_cpu_linears
+from .packed import pack_cpu_linears, packing_available
 from .products import CpuLinear, fuse_input_projections
 
 
@@ -44,5 +45,13 @@ def prepare_cpu(text: nn.Module, vision: nn.Module | None, release_text: Callabl
         elif is_float_experts(module) and module.gate_up_proj.device.type == "cpu":
             setattr(text.get_submodule(parent), leaf, CpuFloatExperts(module.gate_up_proj, module.down_proj))
     swap_in_kernels(text)
-    if vision is not None:
+    if vision is None:
+        return
+    if packing_available():
         pack_cpu_linears(vision, release_vision)
+        return
+    for name, module in list(vision.named_modules()):  # no oneDNN bf16 kernels: the widened products of `linear`
+        if isinstance(module, nn.Linear) and module.weight.dtype == torch.bfloat16 \
+                and module.weight.device.type == "cpu":
+            parent, _, leaf = name.rpartition(".")
+            setattr(vision.get_submodule(parent), leaf, CpuLinear(module.weight, module.bias))

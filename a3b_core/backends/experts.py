@@ -123,11 +123,11 @@ class QuantizedStack(nn.Module):
                     out = out + torch._weight_int8pack_mm(part.contiguous(), q, self.scale[e])
                 return out
             if self.fmt == "int8":  # many rows (prefill): dequantise once, one bf16 product
-                return F.linear(x.to(torch.bfloat16), self.int8_matrix(e) * self.scale[e][:, None])  # int8 * bf16: bf16
+                return linear(x.to(torch.bfloat16), self.int8_matrix(e) * self.scale[e][:, None])  # int8 * bf16: bf16
             if self.fmt == "int4":
                 return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.q[e], self.group, self.scale[e])
         compute = torch.bfloat16 if x.dtype == torch.float32 and self.fmt != "fp8" else x.dtype
-        return F.linear(x.to(compute), self.dequantize(e, compute)).to(x.dtype)
+        return linear(x.to(compute), self.dequantize(e, compute)).to(x.dtype)
 
 
 class QuantizedExperts(nn.Module):

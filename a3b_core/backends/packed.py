@@ -53,10 +53,8 @@ class PackedLinear(nn.Module):
 
 
 def pack_cpu_linears(module: nn.Module, release: Callable[[str], None]) -> None:
-    """Swaps, in place, every bf16 CPU Linear of `module` for its packed form; `release(name)` is told each swapped
-    Linear's name, whose source can then be dropped."""
-    if not packing_available():
-        return
+    """Swaps, in place, every bf16 CPU Linear of `module` for its packed form, where packing_available() says so;
+    `release(name)` is told each swapped Linear's name, whose source can then be dropped."""
     for name in [name for name, _ in module.named_modules()]:  # names only: a swapped module must be freeable
         child = module.get_submodule(name)
         if not (isinstance(child, nn.Linear) and child.weight.dtype == torch.bfloat16

@@ -1,47 +1,63 @@
-"""The text model's matrix products on the CPU: bf16 products of one or two rows as matrix-vector products, and
-input projections fused into one matrix.
+"""The text model's matrix products on the CPU: bf16 products of one or two rows as matrix-vector products, larger
+bf16 products in fp32 where the CPU has no bf16 matrix kernel, and input projections fused into one matrix.
 
 Where the CPU has AVX-512 bf16, torch hands every bf16 matmul to oneDNN, whose kernel for a single input row reads
 the matrix more slowly than torch's own bf16 matrix-vector kernel (fp32 accumulation), which runs near the memory
-bandwidth. That kernel runs once per input row, though, so it only pays up to GEMV_MAX_ROWS rows. The measurements
-are in the README's benchmark section.
+bandwidth. That kernel runs once per input row, though, so it only pays up to GEMV_MAX_ROWS rows. Where oneDNN has
+no bf16 kernel (CPUs without AVX-512, such as most desktop ones), torch multiplies bf16 matrices with a generic
+kernel many times slower than its fp32 one, so products of more rows widen their operands to fp32 (the weights a
+block of rows at a time) and round the result to bf16 once. The measurements are in the README's benchmark section.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 GEMV_MAX_ROWS = 2  # tuned on an AVX-512 (bf16) EPYC: at two rows the matrix-vector kernel still wins, at three not
+WIDENED_ROWS = 4096  # weight rows widened to fp32 at a time: at 2048 inputs a 32 MiB copy, whatever the matrix
+
+
+@cache
+def bf16_matmul_is_native() -> bool:
+    """Whether oneDNN multiplies bf16 matrices on this CPU (it needs AVX-512)."""
+    return torch.backends.mkldnn.is_available() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear; bf16 inputs of up to GEMV_MAX_ROWS rows on the CPU go to the matrix-vector kernel. oneDNN's switch
-    is process-wide, so it is off only for this call (a bf16 product on another thread in that instant would take
-    the matrix-vector kernel too)."""
+    """F.linear; bf16 inputs of up to GEMV_MAX_ROWS rows on the CPU go to the matrix-vector kernel, larger ones on a
+    CPU without bf16 matrix kernels are multiplied in fp32. oneDNN's switch is process-wide, so it is off only for
+    this call (a bf16 product on another thread in that instant would take the matrix-vector kernel too)."""
+    if x.dtype != torch.bfloat16 or weight.device.type != "cpu":
+        return F.linear(x, weight, bias)
     # torch._C's switch directly: torch.backends.mkldnn's property costs more than a small product's arithmetic
-    if x.dtype == torch.bfloat16 and x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and weight.device.type == "cpu" \
-            and torch._C._get_mkldnn_enabled():
+    if x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and torch._C._get_mkldnn_enabled():
         torch._C._set_mkldnn_enabled(False)
         try:
             return F.linear(x, weight, bias)
         finally:
             torch._C._set_mkldnn_enabled(True)
+    if not bf16_matmul_is_native():
+        wide = x.float()
+        parts = [F.linear(wide, rows.float()) for rows in weight.split(WIDENED_ROWS)]
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return (out if bias is None else out + bias.float()).to(torch.bfloat16)
     return F.linear(x, weight, bias)
 
 
 class CpuLinear(nn.Module):
-    """A bias-free Linear on the CPU, its product through `linear`; it holds the same weight under the same name as
+    """A Linear on the CPU, its product through `linear`; it holds the same weight (and bias) under the same names as
     the nn.Linear whose place it takes."""
 
-    def __init__(self, weight: nn.Parameter):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
         super().__init__()
-        self.weight = weight
+        self.weight, self.bias = weight, bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, self.bias)
 
 
 class FusedLinear(nn.Module):
