@@ -171,13 +171,13 @@ class Merger(nn.Module):
     def __init__(self, cfg: VisionConfig, after_merge: bool = False):
         super().__init__()
         merged = cfg.hidden_size * cfg.spatial_merge_size ** 2
-        self.after_merge = after_merge
+        self.merged, self.after_merge = merged, after_merge
         self.norm = LayerNorm(merged if after_merge else cfg.hidden_size, eps=LAYER_NORM_EPS)
         self.linear_fc1 = Linear(merged, merged, bias=True)
         self.linear_fc2 = Linear(merged, cfg.out_hidden_size, bias=True)
 
     def forward(self, x: Tensor) -> Tensor:
-        merged = self.linear_fc1.in_features
+        merged = self.merged
         x = self.norm(x.reshape(-1, merged)) if self.after_merge else self.norm(x).reshape(-1, merged)
         return self.linear_fc2(F.gelu(self.linear_fc1(x)))  # exact-erf GELU here, unlike the blocks
 
