@@ -103,8 +103,9 @@ class KernelMatrices(nn.Module):
 
     def __init__(self, fmt: str, stack: nn.Module | torch.Tensor):
         super().__init__()
-        if fmt == "bf16":
-            self.q, self.scale = stack.data, None
+        if fmt == "bf16":  # the float experts' tensor, registered as a buffer as the quantised stores' are
+            self.register_buffer("q", stack.data, persistent=False)
+            self.scale = None
             self.arrays = (self.q.view(torch.int16).numpy()[:, None], np.empty((0, 0, 0), np.float32))
             return
         self.q, self.scale = stack.q, stack.scale
