@@ -44,7 +44,8 @@ def routing(rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, top_i, top_p
 
 
-def fp64_step(store: QuantizedExperts | CpuFloatExperts, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+def fp64_step(store: QuantizedExperts | CpuFloatExperts, x: torch.Tensor, top_i: torch.Tensor,
+              top_p: torch.Tensor) -> torch.Tensor:
     out = torch.zeros(x.shape, dtype=torch.float64)
     for t in range(x.shape[0]):
         for e, w in zip(top_i[t].tolist(), top_p[t].tolist()):

@@ -3,14 +3,15 @@
 Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row
 in loops over its contiguous bytes that LLVM vectorises (int8: converted as they are summed, the sum times the row's
 scale; FP8 e4m3 and bf16: turned into fp32 by shifting bits, with no table, FP8's 128-column block sums times their
-block's scale); a parallel work item reads a block of consecutive rows of one expert, so the weights stream from memory in
-long runs. A chosen expert's rows are read once per call however many activation rows routed to it (the repeats
-hit the cache), and each row's result is the same whatever other rows share the call (batches decode as their rows
-would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32 rounding of a sum, far below the
-formats' own.
+block's scale); a parallel work item reads a block of consecutive rows of one expert, so the weights stream from
+memory in long runs. A chosen expert's rows are read once per call however many activation rows routed to it (the
+repeats hit the cache), and each row's result is the same whatever other rows share the call (batches decode as
+their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32 rounding of a sum, far
+below the formats' own.
 
 Arrays (all C-contiguous, so two compiled signatures serve the three formats, each compiled once per machine):
-    q       int8 [E, chunks, out, width]: int8 as torch's store holds it (column chunks), FP8 e4m3 bytes [E, 1, out, in];
+    q       int8 [E, chunks, out, width]: int8 as torch's store holds it (column chunks); FP8 e4m3 bytes
+            [E, 1, out, in];
             int16 [E, 1, out, in]: bf16's bit patterns (turned into fp32 by a 16-bit shift)
     scale   float32: int8 [E, out, 1] (per row), FP8 [E, ceil(out/128), ceil(in/128)] (per 128x128 block, as released);
             bf16 has none (any float32 array of three dimensions)
@@ -34,7 +35,7 @@ def set_threads(threads: int) -> None:
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
 
 
-# inlined where it is called (numba's own inlining): as a called function its loops ran 1.5x slower on an AVX-512 EPYC
+# inlined where it is called (numba's own inlining): as a called function its loops ran 1.5x slower on an AVX2 EPYC
 @njit(cache=True, fastmath=FAST, inline="always")
 def row_dot(fmt, q, scale, e, r, x, bits):
     """Row r of expert e's matrix (scales applied) dotted with x, in fp32, in loops over the row's contiguous bytes
