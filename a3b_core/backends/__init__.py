@@ -15,14 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
 from torch import nn
 
 from .dense import quantize_dense
 from .experts import CONVERTED_FORMATS, CpuFloatExperts
 from .kernel_experts import swap_in_kernels
 from .packed import pack_cpu_linears, packing_available
-from .products import CpuLinear, fuse_input_projections
+from .products import fuse_input_projections, use_cpu_linears
 
 
 def is_float_experts(module: nn.Module) -> bool:
@@ -38,20 +37,13 @@ def prepare_cpu(text: nn.Module, vision: nn.Module | None, release_text: Callabl
     if dense_format in CONVERTED_FORMATS:
         quantize_dense(text, dense_format, release_text)
     fuse_input_projections(text, release_text)
+    use_cpu_linears(text)
     for name, module in list(text.named_modules()):
-        parent, _, leaf = name.rpartition(".")
-        if isinstance(module, nn.Linear) and module.bias is None and module.weight.device.type == "cpu":
-            setattr(text.get_submodule(parent), leaf, CpuLinear(module.weight))
-        elif is_float_experts(module) and module.gate_up_proj.device.type == "cpu":
+        if is_float_experts(module) and module.gate_up_proj.device.type == "cpu":
+            parent, _, leaf = name.rpartition(".")
             setattr(text.get_submodule(parent), leaf, CpuFloatExperts(module.gate_up_proj, module.down_proj))
     swap_in_kernels(text)
-    if vision is None:
-        return
-    if packing_available():
+    if vision is not None and packing_available():
         pack_cpu_linears(vision, release_vision)
-        return
-    for name, module in list(vision.named_modules()):  # no oneDNN bf16 kernels: the widened products of `linear`
-        if isinstance(module, nn.Linear) and module.weight.dtype == torch.bfloat16 \
-                and module.weight.device.type == "cpu":
-            parent, _, leaf = name.rpartition(".")
-            setattr(vision.get_submodule(parent), leaf, CpuLinear(module.weight, module.bias))
+    elif vision is not None:  # no oneDNN bf16 kernels: the widened products of `linear`
+        use_cpu_linears(vision)

@@ -60,6 +60,14 @@ class CpuLinear(nn.Module):
         return linear(x, self.weight, self.bias)
 
 
+def use_cpu_linears(module: nn.Module) -> None:
+    """Swaps, in place, every CPU Linear of `module` for a CpuLinear holding the same weight and bias."""
+    for name, child in list(module.named_modules()):
+        if isinstance(child, nn.Linear) and child.weight.device.type == "cpu":
+            parent, _, leaf = name.rpartition(".")
+            setattr(module.get_submodule(parent), leaf, CpuLinear(child.weight, child.bias))
+
+
 class FusedLinear(nn.Module):
     """Several bias-free Linears that read the same input as one product, split into their outputs: fewer, larger
     products (the small ones, such as a router or a per-head gate, cost mostly call overhead)."""
