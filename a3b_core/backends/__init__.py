@@ -20,6 +20,7 @@ from torch import nn
 from .dense import quantize_dense
 from .experts import CONVERTED_FORMATS, CpuFloatExperts
 from .kernel_experts import swap_in_kernels
+from .kernel_steps import attach_step_kernels
 from .packed import pack_cpu_linears, packing_available
 from .products import fuse_input_projections, use_cpu_linears
 
@@ -43,6 +44,7 @@ def prepare_cpu(text: nn.Module, vision: nn.Module | None, release_text: Callabl
             parent, _, leaf = name.rpartition(".")
             setattr(text.get_submodule(parent), leaf, CpuFloatExperts(module.gate_up_proj, module.down_proj))
     swap_in_kernels(text)
+    attach_step_kernels(text)
     if vision is not None and packing_available():
         pack_cpu_linears(vision, release_vision)
     elif vision is not None:  # no oneDNN bf16 kernels: the widened products of `linear`

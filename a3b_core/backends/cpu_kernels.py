@@ -1,4 +1,5 @@
-"""The numba kernel of kernel_experts.py: one layer's routed-expert step for a few rows in one compiled call.
+"""The numba kernels of kernel_experts.py: one layer's routed-expert step for a few rows in one compiled call, and a
+dense matrix's product with a few rows.
 
 Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row
 in loops over its contiguous bytes that LLVM vectorises (int8: converted as they are summed, the sum times the row's
@@ -9,7 +10,8 @@ repeats hit the cache), and each row's result is the same whatever other rows sh
 their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32 rounding of a sum, far
 below the formats' own.
 
-Arrays (all C-contiguous, so two compiled signatures serve the three formats, each compiled once per machine):
+Arrays (all C-contiguous, so two compiled signatures of each kernel serve the three formats, each compiled once per
+machine; a dense matrix is held as one expert):
     q       int8 [E, chunks, out, width]: int8 as torch's store holds it (column chunks); FP8 e4m3 bytes
             [E, 1, out, in];
             int16 [E, 1, out, in]: bf16's bit patterns (turned into fp32 by a 16-bit shift)
@@ -122,3 +124,80 @@ def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, out
                 s = t * top_k + j
                 for r in range(first, end):
                     out[t, r] += weights[t, j] * row_dot(fmt, dn_q, dn_scale, experts[expert_of[s]], r, act[s], bits)
+
+
+@njit(cache=True, fastmath=FAST, parallel=True)
+def matrix_rows(fmt, q, scale, x, out):
+    """out[t] = W x[t] for a dense matrix W held as one expert's (q [1, ...], scale as routed_step's); x [T, in] fp32,
+    out [T, out] fp32. A work item is a block of W's rows, read once for all of x's rows."""
+    rows = q.shape[2]
+    blocks = (rows + ROW_BLOCK - 1) // ROW_BLOCK
+    for b in prange(blocks):
+        first, end = b * ROW_BLOCK, min(rows, b * ROW_BLOCK + ROW_BLOCK)
+        bits = np.empty(x.shape[1], np.int32)
+        for t in range(x.shape[0]):
+            for r in range(first, end):
+                out[t, r] = row_dot(fmt, q, scale, 0, r, x[t], bits)
+
+
+@njit(cache=True, fastmath=FAST, parallel=True)
+def gated_delta_step(qkv, z, beta_in, a_in, conv_w, history, a_log, dt_bias, norm_w, eps, key_heads, state, out):
+    """One decoding token of a Gated DeltaNet layer for each of B sequences, from its input projections to the gated
+    norm's output (models/qwen3_5/text.py, GatedDeltaNet.forward with one token, in fp32):
+    qkv [B, C] and z [B, nv * dv] (projections), beta_in / a_in [B, nv]; conv_w [C, K]; history [B, K-1, C] (the
+    conv's previous inputs, updated); a_log, dt_bias [nv]; norm_w [dv]; state [B, nv, dk, dv] (updated);
+    out [B, nv * dv]."""
+    batch, channels = qkv.shape
+    taps = conv_w.shape[1]
+    heads, dk, dv = state.shape[1], state.shape[2], state.shape[3]
+    key_dim = key_heads * dk
+    conv = np.empty((batch, channels), np.float32)
+    # the causal conv's step and SiLU, channel by channel; the history shifts by one input
+    for c in prange(channels):
+        for s in range(batch):
+            acc = qkv[s, c] * conv_w[c, taps - 1]
+            for i in range(taps - 1):
+                acc += history[s, i, c] * conv_w[c, i]
+            for i in range(taps - 2):
+                history[s, i, c] = history[s, i + 1, c]
+            history[s, taps - 2, c] = qkv[s, c]
+            conv[s, c] = acc / (1 + np.exp(-acc))
+    # per value head: its key head's q, k (L2-normalised, q scaled by dk^-1/2), the delta rule, the gated norm
+    for item in prange(batch * heads):
+        s, h = item // heads, item % heads
+        kh = h // (heads // key_heads)
+        q = conv[s, kh * dk:(kh + 1) * dk]
+        k = conv[s, key_dim + kh * dk:key_dim + (kh + 1) * dk]
+        v = conv[s, 2 * key_dim + h * dv:2 * key_dim + (h + 1) * dv]
+        q_sq, k_sq = np.float32(0.0), np.float32(0.0)
+        for i in range(dk):
+            q_sq += q[i] * q[i]
+            k_sq += k[i] * k[i]
+        q_scale = np.float32(1.0) / np.sqrt(q_sq + np.float32(1e-6)) / np.sqrt(np.float32(dk))
+        k_scale = np.float32(1.0) / np.sqrt(k_sq + np.float32(1e-6))
+        beta = np.float32(1.0) / (1 + np.exp(-beta_in[s, h]))
+        a = a_in[s, h] + dt_bias[h]
+        softplus = a if a > 20 else np.log1p(np.exp(a))  # torch's softplus (threshold 20)
+        decay = np.exp(-np.exp(a_log[h]) * softplus)
+        st = state[s, h]
+        u = np.zeros(dv, np.float32)  # k @ state (before the decay), then the update's row
+        for i in range(dk):
+            ki = k[i] * k_scale
+            for j in range(dv):
+                u[j] += ki * st[i, j]
+        for j in range(dv):
+            u[j] = (v[j] - decay * u[j]) * beta
+        o = np.zeros(dv, np.float32)
+        for i in range(dk):
+            ki, qi = k[i] * k_scale, q[i] * q_scale
+            for j in range(dv):
+                new = decay * st[i, j] + ki * u[j]
+                st[i, j] = new
+                o[j] += qi * new
+        o_sq = np.float32(0.0)
+        for j in range(dv):
+            o_sq += o[j] * o[j]
+        o_scale = np.float32(1.0) / np.sqrt(o_sq / dv + eps)
+        for j in range(dv):
+            g = z[s, h * dv + j]
+            out[s, h * dv + j] = o[j] * o_scale * norm_w[j] * (g / (1 + np.exp(-g)))

@@ -44,8 +44,11 @@ class QuantizedLinear(nn.Module):
         self.matrix = QuantizedStack(fmt, (1, *weight.shape))
         for first in range(0, weight.shape[0], QUANTISE_ROWS):
             self.matrix.set(0, weight[first:first + QUANTISE_ROWS].float(), first)
+        self.rows_kernel = None  # kernel_steps.DenseKernel (int8): products of few rows, when the numba kernels load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_kernel is not None and self.rows_kernel.takes(x):
+            return self.rows_kernel(x)
         rows = self.matrix.matmul(0, x.reshape(-1, x.shape[-1]))
         return rows.to(x.dtype).reshape(*x.shape[:-1], rows.shape[-1])
 

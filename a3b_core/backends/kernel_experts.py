@@ -39,7 +39,10 @@ from torch import nn
 from .experts import CpuFloatExperts, QuantizedExperts
 
 KERNEL_FORMATS = ("int8", "fp8")  # the quantised stores swapped; bf16 CpuFloatExperts are swapped too
-_LOCK = threading.Lock()  # numba's thread pools do not all accept calls from two threads at once
+FORMAT_CODES = {"int8": 0, "fp8": 1, "bf16": 2}  # cpu_kernels.INT8, FP8, BF16
+LOCK = threading.Lock()  # numba's thread pools do not all accept calls from two threads at once
+# the kernels' thread count as last set on this thread (numba's setting is per thread; setting it costs ~17 us)
+_threads = threading.local()
 
 
 def kernels_enabled() -> bool:
@@ -61,6 +64,14 @@ def compiled_kernels() -> ModuleType | None:
                       "(slower decoding on the CPU). Set A3B_NO_NUMBA=1 to skip the attempt.", stacklevel=2)
         return None
     return cpu_kernels
+
+
+def set_threads(kernels: ModuleType) -> None:
+    """Gives the kernels torch's thread count (call under LOCK)."""
+    threads = torch.get_num_threads()
+    if threads != getattr(_threads, "count", 0):
+        kernels.set_threads(threads)
+        _threads.count = threads
 
 
 def plain_cpu(*tensors: torch.Tensor) -> bool:
@@ -96,24 +107,31 @@ def matrix(stack: nn.Module | torch.Tensor, e: int) -> torch.Tensor:
     return stack[e].float() if isinstance(stack, torch.Tensor) else stack.dequantize(e)
 
 
+def kernel_arrays(fmt: str, stack: nn.Module | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' numpy views of a quantised stack or a bf16 tensor [E, out, in]: (q, scale) as cpu_kernels.py
+    reads them (int8 [E, chunks, out, chunk] with scales [E, out, 1]; FP8 [E, 1, out, in] with its block scales;
+    bf16 as int16 [E, 1, out, in] and an empty scale)."""
+    if fmt == "bf16":
+        return stack.view(torch.int16).numpy()[:, None], np.empty((0, 0, 0), np.float32)
+    q = stack.q.view(torch.int8).numpy()
+    if fmt == "int8":
+        return q, stack.scale.float().numpy()[:, :, None].copy()
+    return q[:, None], stack.scale.numpy()
+
+
 class KernelMatrices(nn.Module):
     """One fused matrix stack of a layer's experts as the kernel reads it: the store's tensors under the names `q`
-    and `scale` (None for bf16), and their numpy views (int8 [E, chunks, out, chunk] with scales [E, out, 1]; FP8
-    [E, 1, out, in] with its block scales; bf16 as int16 [E, 1, out, in])."""
+    and `scale` (None for bf16), and their numpy views `arrays` (kernel_arrays)."""
 
     def __init__(self, fmt: str, stack: nn.Module | torch.Tensor):
         super().__init__()
         if fmt == "bf16":  # the float experts' tensor, registered as a buffer as the quantised stores' are
             self.register_buffer("q", stack.data, persistent=False)
             self.scale = None
-            self.arrays = (self.q.view(torch.int16).numpy()[:, None], np.empty((0, 0, 0), np.float32))
-            return
-        self.q, self.scale = stack.q, stack.scale
-        q = self.q.view(torch.int8).numpy()
-        if fmt == "int8":
-            self.arrays = (q, self.scale.float().numpy()[:, :, None].copy())
+            self.arrays = kernel_arrays(fmt, self.q)
         else:
-            self.arrays = (q[:, None], self.scale.numpy())
+            self.q, self.scale = stack.q, stack.scale
+            self.arrays = kernel_arrays(fmt, stack)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -124,8 +142,6 @@ class KernelMatrices(nn.Module):
 class KernelExperts(nn.Module):
     """A layer's int8, FP8 or bf16 routed experts on the CPU whose decoding step is one kernel call (`routed_step`);
     `gate_up(e, x)` / `down(e, x)` serve prefill through the store's own products."""
-
-    FORMAT_CODES = {"int8": 0, "fp8": 1, "bf16": 2}  # cpu_kernels.INT8, FP8, BF16
 
     def __init__(self, store: QuantizedExperts | CpuFloatExperts, kernels: ModuleType):
         super().__init__()
@@ -146,9 +162,9 @@ class KernelExperts(nn.Module):
     def routed_step(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for the rows of x [N, H] (top_i, top_p [N, k])."""
         out = np.zeros(tuple(x.shape), np.float32)
-        with _LOCK:
-            self.kernels.set_threads(torch.get_num_threads())
-            self.kernels.routed_step(self.FORMAT_CODES[self.fmt], self.inter, *self.gate_up_proj.arrays,
+        with LOCK:
+            set_threads(self.kernels)
+            self.kernels.routed_step(FORMAT_CODES[self.fmt], self.inter, *self.gate_up_proj.arrays,
                                      *self.down_proj.arrays, x.detach().float().contiguous().numpy(),
                                      top_i.contiguous().numpy(), top_p.detach().float().contiguous().numpy(), out)
         return torch.from_numpy(out).to(x.dtype)

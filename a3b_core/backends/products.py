@@ -55,8 +55,11 @@ class CpuLinear(nn.Module):
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
         super().__init__()
         self.weight, self.bias = weight, bias
+        self.rows_kernel = None  # kernel_steps.DenseKernel: products of few rows, when the numba kernels load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_kernel is not None and self.rows_kernel.takes(x):
+            return self.rows_kernel(x, self.bias)
         return linear(x, self.weight, self.bias)
 
 
@@ -76,9 +79,11 @@ class FusedLinear(nn.Module):
         super().__init__()
         self.sizes = [w.shape[0] for w in weights]
         self.weight = nn.Buffer(torch.cat(weights), persistent=False)
+        self.rows_kernel = None  # as CpuLinear's
 
     def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
-        return list(linear(x, self.weight).split(self.sizes, dim=-1))
+        kernel = self.rows_kernel is not None and self.rows_kernel.takes(x)
+        return list((self.rows_kernel(x) if kernel else linear(x, self.weight)).split(self.sizes, dim=-1))
 
 
 def fuse_input_projections(module: nn.Module, release: Callable[[str], None]) -> None:

@@ -1,0 +1,105 @@
+"""Decoding work other than the routed experts computed by the numba kernels (cpu_kernels.py), attached at load to
+the modules that call them: a dense matrix's product with a few rows, and a Gated DeltaNet layer's token step.
+
+A decoding step of the text model is mostly small products and many small torch calls, each with a fixed cost.
+- Dense products of up to KERNEL_MAX_ROWS rows (CpuLinear and FusedLinear in bf16, QuantizedLinear in int8): torch's
+  weight-only int8 kernel reads its matrix at about half the speed of the kernel's loop; bf16 runs as torch's
+  matrix-vector kernel does (fp32 sums of the exact weights, rounded once). Matrices of fewer than
+  DENSE_KERNEL_MIN_ROWS rows (routers, gates) keep torch's products: there a parallel call's start costs more than
+  the arithmetic.
+- A Gated DeltaNet layer's step from its input projections to its gated norm (the conv's step, the L2 norms, the
+  delta rule on the fp32 state, the gated RMSNorm): about 40 torch calls become one.
+Both compute in fp32 (the DeltaNet step is the fp32 computation itself; torch's bf16 path rounds its intermediates to
+bf16), and a row's result does not depend on the other rows of a batch. They are attached only to models whose
+compute dtype is not fp32: the fp32 mode stays the reference's, layer for layer. Without numba (kernel_experts.py
+says when) nothing is attached and torch's path runs.
+"""
+from __future__ import annotations
+
+from types import ModuleType
+
+import numpy as np
+import torch
+from torch import nn
+
+from .dense import QuantizedLinear
+from .kernel_experts import FORMAT_CODES, KERNEL_FORMATS, LOCK, compiled_kernels, kernel_arrays, kernels_enabled, \
+    plain_cpu, set_threads
+from .products import CpuLinear, FusedLinear
+
+KERNEL_MAX_ROWS = 2  # a dense product of up to this many rows is the kernel's (decoding; as GEMV_MAX_ROWS)
+DENSE_KERNEL_MIN_ROWS = 128
+
+
+class DenseKernel:
+    """A dense matrix's product with few rows by the numba kernel (cpu_kernels.matrix_rows), for the CpuLinear,
+    FusedLinear or QuantizedLinear that holds the matrix and calls it (not a module: the matrix stays its owner's).
+    Rows are summed in fp32 from the exact weights and rounded once to the input's dtype."""
+
+    def __init__(self, fmt: str, stack: nn.Module | torch.Tensor, kernels: ModuleType):
+        self.code, self.kernels = FORMAT_CODES[fmt], kernels
+        self.arrays = kernel_arrays(fmt, stack)
+        self.out_features = self.arrays[0].shape[2]
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether the kernel computes this product: few rows, a plain CPU tensor."""
+        return x.numel() <= KERNEL_MAX_ROWS * x.shape[-1] and plain_cpu(x)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.detach().reshape(-1, x.shape[-1]).float().contiguous()
+        out = np.empty((rows.shape[0], self.out_features), np.float32)
+        with LOCK:
+            set_threads(self.kernels)
+            self.kernels.matrix_rows(self.code, *self.arrays, rows.numpy(), out)
+        y = torch.from_numpy(out)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+class DeltaNetKernel:
+    """A Gated DeltaNet layer's decoding step after its input projections (cpu_kernels.gated_delta_step), for the
+    layer that calls it; holds fp32 copies of the layer's small parameters (conv taps, decay and norm weights)."""
+
+    def __init__(self, layer: nn.Module, kernels: ModuleType):
+        self.kernels = kernels
+        taps = layer.conv1d.weight.shape[-1]
+        self.conv_w = layer.conv1d.weight.detach().float().reshape(-1, taps).contiguous().numpy()
+        self.a_log, self.dt_bias, self.norm_w = (p.detach().float().contiguous().numpy()
+                                                 for p in (layer.A_log, layer.dt_bias, layer.norm.weight))
+        self.eps, self.key_heads = np.float32(layer.cfg.rms_norm_eps), layer.nk
+
+    def takes(self, history: torch.Tensor, state: torch.Tensor) -> bool:
+        """Whether the kernel can update this cache's tensors in place (plain, contiguous fp32 on the CPU)."""
+        return all(plain_cpu(t) and t.is_contiguous() and t.dtype == torch.float32 for t in (history, state))
+
+    def __call__(self, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, a: torch.Tensor,
+                 history: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The gated norm's output [B, 1, nv * dv] (fp32) for projections [B, 1, ...]; history and state updated."""
+        qkv, z, beta, a = (t.detach()[:, 0].float().contiguous().numpy() for t in (qkv, z, beta, a))
+        out = np.empty(z.shape, np.float32)
+        with LOCK:
+            set_threads(self.kernels)
+            self.kernels.gated_delta_step(qkv, z, beta, a, self.conv_w, history.numpy(), self.a_log, self.dt_bias,
+                                          self.norm_w, self.eps, self.key_heads, state.numpy(), out)
+        return torch.from_numpy(out)[:, None]
+
+
+def attach_step_kernels(text: nn.Module) -> None:
+    """Gives the CPU modules of `text` their kernels (`rows_kernel`, `step_kernel`), when kernels are enabled and the
+    compute dtype is not fp32."""
+    if not kernels_enabled() or text.embed_tokens.weight.dtype == torch.float32:
+        return
+    kernels = compiled_kernels()
+    for module in text.modules():
+        if isinstance(module, (CpuLinear, FusedLinear)):
+            weight = module.weight.data
+            if weight.dtype == torch.bfloat16 and plain_cpu(weight) and weight.is_contiguous() \
+                    and weight.shape[0] >= DENSE_KERNEL_MIN_ROWS:
+                module.rows_kernel = DenseKernel("bf16", weight[None], kernels)
+        elif isinstance(module, QuantizedLinear):
+            if module.fmt in KERNEL_FORMATS and plain_cpu(*module.buffers()) \
+                    and module.matrix.shape[1] >= DENSE_KERNEL_MIN_ROWS:
+                module.rows_kernel = DenseKernel(module.fmt, module.matrix, kernels)
+        elif hasattr(module, "step_kernel") and plain_cpu(*(p.data for p in module.parameters())):
+            module.step_kernel = DeltaNetKernel(module, kernels)
