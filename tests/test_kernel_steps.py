@@ -1,0 +1,151 @@
+"""The decoding kernels besides the routed experts (backends/kernel_steps.py, cpu_kernels.py): dense products of few
+rows and the Gated DeltaNet step equal the torch computations they replace; they are attached to bf16 models only,
+and whole models decode the same with them."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from a3b_core import load_model
+from a3b_core.backends.dense import QuantizedLinear
+from a3b_core.backends.kernel_experts import compiled_kernels, kernels_enabled
+from a3b_core.backends.kernel_steps import DENSE_KERNEL_MIN_ROWS, DeltaNetKernel, DenseKernel, attach_step_kernels
+from a3b_core.backends.products import CpuLinear, FusedLinear, linear
+from a3b_core.models.qwen3_5.cache import Cache
+from a3b_core.models.qwen3_5.config import parse_text_config
+from a3b_core.models.qwen3_5.text import GatedDeltaNet
+
+pytestmark = pytest.mark.skipif(compiled_kernels() is None, reason="numba is not installed or cannot compile")
+
+EXACT_BOUND = 1e-5  # fp32 sums against fp64, as a fraction of the largest |output|
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want.double()).abs().max() / want.double().abs().max()).item()
+
+
+@pytest.mark.parametrize("rows", [1, 2])
+def test_dense_products_equal_the_exact_product(rows, one_thread):
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(300, 256, generator=g).bfloat16(), torch.randn(300, generator=g)
+    x = torch.randn(1, rows, 256, generator=g)
+    want = x.double() @ weight.double().t()
+    bf16 = CpuLinear(torch.nn.Parameter(weight), torch.nn.Parameter(bias))
+    bf16.rows_kernel = DenseKernel("bf16", weight[None], compiled_kernels())
+    assert relative_error(bf16(x), want + bias.double()) < EXACT_BOUND
+    assert bf16(x.bfloat16()).dtype == torch.bfloat16
+    fused = FusedLinear([weight[:100], weight[100:]])
+    fused.rows_kernel = DenseKernel("bf16", fused.weight[None], compiled_kernels())
+    parts = fused(x)
+    assert [p.shape[-1] for p in parts] == [100, 200] and relative_error(torch.cat(parts, -1), want) < EXACT_BOUND
+    int8 = QuantizedLinear("int8", weight.float())
+    int8.rows_kernel = DenseKernel("int8", int8.matrix, compiled_kernels())
+    assert relative_error(int8(x), x.double() @ int8.matrix.dequantize(0).double().t()) < EXACT_BOUND
+
+
+def test_a_dense_rows_result_does_not_depend_on_the_other_row(one_thread):
+    weight = torch.randn(256, 128).bfloat16()
+    layer = CpuLinear(torch.nn.Parameter(weight))
+    layer.rows_kernel = DenseKernel("bf16", weight[None], compiled_kernels())
+    x = torch.randn(2, 128).bfloat16()
+    assert torch.equal(layer(x)[:1], layer(x[:1]))
+
+
+def test_more_rows_take_torchs_products(one_thread):
+    weight = torch.randn(256, 128).bfloat16()
+    layer = CpuLinear(torch.nn.Parameter(weight))
+    layer.rows_kernel = DenseKernel("bf16", weight[None], compiled_kernels())
+    x = torch.randn(3, 128).bfloat16()
+    assert torch.equal(layer(x), linear(x, weight))
+
+
+def deltanet_layer(key_heads: int, value_heads: int) -> GatedDeltaNet:
+    """A Gated DeltaNet layer with random fp32 parameters (heads of 32)."""
+    cfg = parse_text_config(dict(
+        vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=2, head_dim=32,
+        layer_types=["linear_attention"], linear_num_key_heads=key_heads, linear_num_value_heads=value_heads,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4, num_experts=0,
+        intermediate_size=64, rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=1e6,
+                                                                      partial_rotary_factor=0.5)), "test", False)
+    layer = GatedDeltaNet(cfg, 0)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+        layer.norm.weight.add_(1)
+    return layer
+
+
+@pytest.mark.parametrize("heads", [(2, 4), (2, 2)])
+def test_deltanet_step_equals_torchs(heads, one_thread):
+    """Decoding steps of two sequences after a prefill: the layer's output, its conv history and its recurrent state
+    with the kernel equal torch's step's (the same fp32 computation)."""
+    layer = deltanet_layer(*heads)
+    caches = [Cache(layer.cfg, 2, 16) for _ in range(2)]
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 64, generator=g)
+    with torch.no_grad():
+        for cache in caches:
+            layer(x, cache)
+        for _ in range(4):
+            x = torch.randn(2, 1, 64, generator=g)
+            layer.step_kernel = None
+            want = layer(x, caches[0])
+            layer.step_kernel = DeltaNetKernel(layer, compiled_kernels())
+            assert relative_error(layer(x, caches[1]), want) < EXACT_BOUND
+    assert relative_error(caches[1].state[0], caches[0].state[0]) < EXACT_BOUND
+    assert torch.equal(caches[1].conv[0], caches[0].conv[0])
+
+
+def test_deltanet_step_leaves_a_fake_cache_to_torch():
+    layer = deltanet_layer(2, 4)
+    layer.step_kernel = DeltaNetKernel(layer, compiled_kernels())
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        cache = Cache(layer.cfg, 1, 16)
+        assert not layer.step_kernel.takes(cache.conv[0], cache.state[0])
+        assert layer(torch.randn(1, 1, 64), cache).shape == (1, 1, 64)  # torch's step
+
+
+def attached(model) -> tuple[int, int]:
+    """(modules with a dense kernel, DeltaNet layers with a step kernel) of a model's text model."""
+    modules = list(model.text.modules())
+    return (sum(getattr(m, "rows_kernel", None) is not None for m in modules),
+            sum(getattr(m, "step_kernel", None) is not None for m in modules))
+
+
+# bf16 models, kernels against torch's path (4 layers, logit std 0.57): the kernels sum in fp32 where torch's bf16
+# path rounds intermediates to bf16. Measured: 0.043 on the MoE (torch's bf16 path against fp32: 0.057), below 0.001
+# on the dense model; greedy tokens: the MoE's equal torch's, the dense model's equal the fp32 reference's.
+MODEL_LOGIT_BOUND = 0.15
+
+
+@pytest.mark.parametrize("which", ["moe_fused_bf16", "dense"])
+def test_bf16_models_decode_the_same_with_step_kernels(fixtures, which, monkeypatch, one_thread):
+    folder = getattr(fixtures, which)
+    ids = fixtures.refs(folder)["text.input_ids"][:, :1]
+    monkeypatch.delenv("A3B_NO_NUMBA", raising=False)  # whatever the run's own setting
+    with_kernels = load_model(folder, preset="cpu", compute_dtype="bfloat16")
+    monkeypatch.setenv("A3B_NO_NUMBA", "1")
+    torch_path = load_model(folder, preset="cpu", compute_dtype="bfloat16")
+    dense, steps = attached(with_kernels)
+    assert dense > 0 and steps == 3 and attached(torch_path) == (0, 0)
+    assert (with_kernels.logits(ids).float() - torch_path.logits(ids).float()).abs().max() < MODEL_LOGIT_BOUND
+    tokens = with_kernels.generate(ids[0], max_new_tokens=8, temperature=0).token_ids
+    torch_logits = torch_path.logits(torch.cat([ids[0], torch.tensor(tokens)])[None])[0, ids.shape[1] - 1:-1].float()
+    chosen = torch_logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert (torch_logits.max(dim=1).values - chosen).max() < MODEL_LOGIT_BOUND
+
+
+def test_kernels_skip_fp32_models_and_small_matrices(fixtures, monkeypatch):
+    monkeypatch.delenv("A3B_NO_NUMBA", raising=False)
+    assert kernels_enabled()
+    assert attached(load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32")) == (0, 0)
+    model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", dense_format="int8")
+    for module in model.text.modules():
+        if isinstance(module, (CpuLinear, QuantizedLinear)):
+            rows = module.weight.shape[0] if isinstance(module, CpuLinear) else module.matrix.shape[1]
+            assert (module.rows_kernel is not None) == (rows >= DENSE_KERNEL_MIN_ROWS)
+    text = torch.nn.ModuleDict({"embed_tokens": torch.nn.Embedding(4, 8).bfloat16()})
+    with FakeTensorMode():
+        text["proj"] = CpuLinear(torch.nn.Parameter(torch.empty(256, 8, dtype=torch.bfloat16)))
+    attach_step_kernels(text)
+    assert text["proj"].rows_kernel is None  # fake weights: nothing numpy can read
