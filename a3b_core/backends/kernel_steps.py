@@ -2,11 +2,11 @@
 the modules that call them: a dense matrix's product with a few rows, and a Gated DeltaNet layer's token step.
 
 A decoding step of the text model is mostly small products and many small torch calls, each with a fixed cost.
-- Dense products of up to KERNEL_MAX_ROWS rows (CpuLinear and FusedLinear in bf16, QuantizedLinear in int8): torch's
-  weight-only int8 kernel reads its matrix at about half the speed of the kernel's loop; bf16 runs as torch's
-  matrix-vector kernel does (fp32 sums of the exact weights, rounded once). Matrices of fewer than
-  DENSE_KERNEL_MIN_ROWS rows (routers, gates) keep torch's products: there a parallel call's start costs more than
-  the arithmetic.
+- Dense products of up to KERNEL_MAX_ROWS rows (QuantizedLinear in int8; CpuLinear and FusedLinear in bf16): torch's
+  weight-only int8 kernel took 2-2.5x the kernel's time at every size from 64 to 1024 rows (1024 inputs, 2 threads,
+  an AVX2 EPYC). bf16 is summed as torch's matrix-vector kernel does (fp32 sums of the exact weights, rounded once),
+  and the kernel only pays from about BF16_KERNEL_MIN_ROWS rows on (1024 rows: 141 against 163 us; 512 rows: 99
+  against 88 us): smaller bf16 matrices (routers, gates, small projections) keep torch's product.
 - A Gated DeltaNet layer's step from its input projections to its gated norm (the conv's step, the L2 norms, the
   delta rule on the fp32 state, the gated RMSNorm): about 40 torch calls become one.
 Both compute in fp32 (the DeltaNet step is the fp32 computation itself; torch's bf16 path rounds its intermediates to
@@ -28,7 +28,7 @@ from .kernel_experts import FORMAT_CODES, KERNEL_FORMATS, LOCK, compiled_kernels
 from .products import CpuLinear, FusedLinear
 
 KERNEL_MAX_ROWS = 2  # a dense product of up to this many rows is the kernel's (decoding; as GEMV_MAX_ROWS)
-DENSE_KERNEL_MIN_ROWS = 128
+BF16_KERNEL_MIN_ROWS = 1024
 
 
 class DenseKernel:
@@ -46,15 +46,14 @@ class DenseKernel:
         return x.numel() <= KERNEL_MAX_ROWS * x.shape[-1] and plain_cpu(x)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        rows = x.detach().reshape(-1, x.shape[-1]).float().contiguous()
-        out = np.empty((rows.shape[0], self.out_features), np.float32)
+        rows = x.detach().float().reshape(-1, x.shape[-1]).contiguous().numpy()
+        out = torch.empty(*x.shape[:-1], self.out_features)
         with LOCK:
             set_threads(self.kernels)
-            self.kernels.matrix_rows(self.code, *self.arrays, rows.numpy(), out)
-        y = torch.from_numpy(out)
+            self.kernels.matrix_rows(self.code, *self.arrays, rows, out.view(len(rows), -1).numpy())
         if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+            out += bias
+        return out.to(x.dtype)
 
 
 class DeltaNetKernel:
@@ -95,11 +94,10 @@ def attach_step_kernels(text: nn.Module) -> None:
         if isinstance(module, (CpuLinear, FusedLinear)):
             weight = module.weight.data
             if weight.dtype == torch.bfloat16 and plain_cpu(weight) and weight.is_contiguous() \
-                    and weight.shape[0] >= DENSE_KERNEL_MIN_ROWS:
+                    and weight.shape[0] >= BF16_KERNEL_MIN_ROWS:
                 module.rows_kernel = DenseKernel("bf16", weight[None], kernels)
         elif isinstance(module, QuantizedLinear):
-            if module.fmt in KERNEL_FORMATS and plain_cpu(*module.buffers()) \
-                    and module.matrix.shape[1] >= DENSE_KERNEL_MIN_ROWS:
+            if module.fmt in KERNEL_FORMATS and plain_cpu(*module.buffers()):
                 module.rows_kernel = DenseKernel(module.fmt, module.matrix, kernels)
         elif hasattr(module, "step_kernel") and plain_cpu(*(p.data for p in module.parameters())):
             module.step_kernel = DeltaNetKernel(module, kernels)
