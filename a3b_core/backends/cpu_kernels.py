@@ -1,5 +1,5 @@
-"""The numba kernels of kernel_experts.py: one layer's routed-expert step for a few rows in one compiled call, and a
-dense matrix's product with a few rows.
+"""The numba kernels of kernel_experts.py and kernel_steps.py: one layer's routed-expert step for a few rows in one
+compiled call, a dense matrix's product with a few rows, and a Gated DeltaNet layer's decoding step.
 
 Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row
 in loops over its contiguous bytes that LLVM vectorises (int8: converted as they are summed, the sum times the row's

@@ -16,10 +16,13 @@ says when) nothing is attached and torch's path runs.
 """
 from __future__ import annotations
 
-from types import ModuleType
+import warnings
+from functools import cache
+from types import ModuleType, SimpleNamespace
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .dense import QuantizedLinear
@@ -60,7 +63,7 @@ class DeltaNetKernel:
     """A Gated DeltaNet layer's decoding step after its input projections (cpu_kernels.gated_delta_step), for the
     layer that calls it; holds fp32 copies of the layer's small parameters (conv taps, decay and norm weights)."""
 
-    def __init__(self, layer: nn.Module, kernels: ModuleType):
+    def __init__(self, layer: nn.Module | SimpleNamespace, kernels: ModuleType):
         self.kernels = kernels
         taps = layer.conv1d.weight.shape[-1]
         self.conv_w = layer.conv1d.weight.detach().float().reshape(-1, taps).contiguous().numpy()
@@ -84,12 +87,55 @@ class DeltaNetKernel:
         return torch.from_numpy(out)[:, None]
 
 
+@cache
+def checked_step_kernels() -> ModuleType | None:
+    """The kernels once this module's two have compiled (every signature it calls) and reproduced small cases, or
+    None with a warning: a kernel that cannot compile fails at load, not in the middle of a generation."""
+    kernels = compiled_kernels()
+    try:
+        check_step_kernels(kernels)
+    except Exception as exc:  # numba's compile errors have many types; any failure means torch's path
+        warnings.warn(f"a3b_core: numba could not compile the CPU decoding kernels ({exc}); using torch's products "
+                      "for dense matrices and the DeltaNet step.", stacklevel=2)
+        return None
+    return kernels
+
+
+def check_step_kernels(kernels: ModuleType) -> None:
+    """A product of two rows with a bf16 and an int8 matrix; a DeltaNet step from an empty state and history, where
+    the delta rule reduces to o = (q . k) * beta * v."""
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(64, 32, generator=g).bfloat16(), torch.randn(2, 32, generator=g)
+    int8 = QuantizedLinear("int8", weight.float())
+    for got, matrix in ((DenseKernel("bf16", weight[None], kernels)(x), weight.float()),
+                        (DenseKernel("int8", int8.matrix, kernels)(x), int8.matrix.dequantize(0))):
+        if not torch.allclose(got, x @ matrix.t(), rtol=1e-4, atol=1e-4):
+            raise ValueError("the dense kernel's product differs from torch's")
+    heads, dim, taps = 2, 16, 4
+    qkv, z = torch.randn(1, 1, 3 * heads * dim, generator=g), torch.randn(1, 1, heads * dim, generator=g)
+    beta, a = torch.randn(1, 1, heads, generator=g), torch.randn(1, 1, heads, generator=g)
+    conv_w = torch.randn(3 * heads * dim, 1, taps, generator=g)
+    history, state = torch.zeros(1, taps - 1, 3 * heads * dim), torch.zeros(1, heads, dim, dim)
+    layer = SimpleNamespace(conv1d=SimpleNamespace(weight=conv_w), A_log=torch.zeros(heads),
+                            dt_bias=torch.zeros(heads), norm=SimpleNamespace(weight=torch.ones(dim)),
+                            cfg=SimpleNamespace(rms_norm_eps=1e-6), nk=heads)  # a GatedDeltaNet's parameters
+    got = DeltaNetKernel(layer, kernels)(qkv, z, beta, a, history, state)[0, 0].view(heads, dim)
+    q, k, v = F.silu(qkv[0, 0] * conv_w[:, 0, -1]).view(3, heads, dim)
+    o = (F.normalize(q, dim=-1) * F.normalize(k, dim=-1)).sum(-1, keepdim=True) * dim ** -0.5 \
+        * torch.sigmoid(beta[0, 0])[:, None] * v
+    want = F.rms_norm(o, (dim,), eps=1e-6) * F.silu(z[0, 0]).view(heads, dim)
+    if not (torch.allclose(got, want, rtol=1e-4, atol=1e-4) and torch.equal(history[0, -1], qkv[0, 0])):
+        raise ValueError("the DeltaNet kernel's step differs from the delta rule's")
+
+
 def attach_step_kernels(text: nn.Module) -> None:
-    """Gives the CPU modules of `text` their kernels (`rows_kernel`, `step_kernel`), when kernels are enabled and the
-    compute dtype is not fp32."""
+    """Gives the CPU modules of `text` their kernels (`rows_kernel`, `step_kernel`), when kernels are enabled, compile
+    and check, and the compute dtype is not fp32."""
     if not kernels_enabled() or text.embed_tokens.weight.dtype == torch.float32:
         return
-    kernels = compiled_kernels()
+    kernels = checked_step_kernels()
+    if kernels is None:
+        return
     for module in text.modules():
         if isinstance(module, (CpuLinear, FusedLinear)):
             weight = module.weight.data

@@ -1,0 +1,82 @@
+"""What each group of decoding kernels (backends/kernel_steps.py) is worth: one loaded bench model decodes with all
+of them, then with one group detached at a time, then with none, in interleaved rounds; medians of ms per token.
+
+    python bench/decode_kernels.py                           # bf16 compute, int8 experts, dense int8
+    python bench/decode_kernels.py --experts bf16 --dense-format auto
+
+Groups: "int8 dense" (QuantizedLinear products), "bf16 dense" (large bf16 CpuLinear / FusedLinear products),
+"deltanet" (the Gated DeltaNet step). The routed experts' kernel stays in every variant (bench/expert_step.py measures
+it). One process and one model for every variant, so only the detached kernels differ between them.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: bench.*, a3b_core
+
+from a3b_core import load_model  # noqa: E402
+from a3b_core.backends.kernel_experts import FORMAT_CODES  # noqa: E402
+from bench.bench_model import bench_dir, bench_model_dir  # noqa: E402
+
+GROUPS = ("int8 dense", "bf16 dense", "deltanet")
+
+
+def kernel_group(module: torch.nn.Module) -> tuple[str, str] | None:
+    """(group, attribute) of a module's attached kernel, or None."""
+    if getattr(module, "step_kernel", None) is not None:
+        return "deltanet", "step_kernel"
+    kernel = getattr(module, "rows_kernel", None)
+    if kernel is not None:
+        return ("bf16 dense" if kernel.code == FORMAT_CODES["bf16"] else "int8 dense"), "rows_kernel"
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--experts", default="int8", help="weight_format of the routed experts")
+    parser.add_argument("--dense-format", default="int8")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--decode", type=int, default=32, help="tokens timed per variant and round")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("A3B_CACHE_DIR", str(bench_dir() / "a3b-cache"))  # speed.py's converted experts
+    model = load_model(bench_model_dir(), preset="cpu", compute_dtype="bfloat16", weight_format=args.experts,
+                       dense_format=args.dense_format)
+    attached = [(m, *group, getattr(m, group[1])) for m in model.text.modules() if (group := kernel_group(m))]
+    present = [g for g in GROUPS if any(group == g for _, group, _, _ in attached)]
+    variants = ["all", *(f"without {g}" for g in present), "none"]
+
+    def detach(variant: str) -> None:
+        for module, group, attribute, kernel in attached:
+            off = variant == "none" or variant == f"without {group}"
+            setattr(module, attribute, None if off else kernel)
+
+    prompt = torch.tensor([[1, 2, 3]])
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(args.rounds):
+        for variant in variants:
+            detach(variant)
+            model.generate(prompt, max_new_tokens=2, temperature=0)  # warm-up
+            started = time.perf_counter()
+            model.generate(prompt, max_new_tokens=args.decode + 1, temperature=0)
+            times[variant].append((time.perf_counter() - started) / args.decode * 1e3)
+    print(f"experts {args.experts}, dense {args.dense_format}, {args.threads} threads, {args.rounds} rounds "
+          f"(medians; includes a 3-token prefill per {args.decode} tokens)")
+    print("| kernels | ms per token | vs all |")
+    print("|---|---|---|")
+    base = statistics.median(times["all"])
+    for variant in variants:
+        ms = statistics.median(times[variant])
+        print(f"| {variant} | {ms:.1f} | {ms / base:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
