@@ -6,6 +6,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from a3b_core import load_model
+from a3b_core.backends import kernel_steps
 from a3b_core.backends.dense import QuantizedLinear
 from a3b_core.backends.kernel_experts import compiled_kernels, kernels_enabled
 from a3b_core.backends.kernel_steps import BF16_KERNEL_MIN_ROWS, DeltaNetKernel, DenseKernel, attach_step_kernels
@@ -153,3 +154,21 @@ def test_kernels_skip_fp32_models_and_small_matrices(fixtures, monkeypatch):
         text["proj"] = CpuLinear(torch.nn.Parameter(torch.empty(BF16_KERNEL_MIN_ROWS, 8, dtype=torch.bfloat16)))
     attach_step_kernels(text)
     assert text["proj"].rows_kernel is None  # fake weights: nothing numpy can read
+
+
+def test_kernels_that_fail_their_check_leave_torchs_path(fixtures, monkeypatch):
+    """A step kernel that does not compile or reproduce its small cases is found at load: a warning, and the model
+    loads and decodes with torch's operations."""
+    def broken(kernels):
+        raise ValueError("a compile error")
+
+    monkeypatch.delenv("A3B_NO_NUMBA", raising=False)
+    monkeypatch.setattr(kernel_steps, "check_step_kernels", broken)
+    kernel_steps.checked_step_kernels.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="could not compile the CPU decoding kernels"):
+            model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", dense_format="int8")
+        assert attached(model) == (0, 0)
+        assert 1 <= len(model.generate(torch.tensor([1, 2]), max_new_tokens=3, temperature=0).token_ids) <= 3
+    finally:
+        kernel_steps.checked_step_kernels.cache_clear()
