@@ -9,8 +9,9 @@ text model's dense matrices are quantised first (dense.py); an owner whose input
 Linears is not fused. Quantised expert stores and FP8 dense layers (experts.py) are built by the family's loader;
 int8, FP8 and bf16 ones on the CPU compute a decoding step's routed experts in one numba call per layer
 (kernel_experts.py, cpu_kernels.py) when numba is there; with numba, a model whose compute dtype is not fp32 also
-decodes its int8 and large bf16 dense products and its Gated DeltaNet steps in numba calls (kernel_steps.py). heap.py keeps the C heap's freed memory for reuse while a
-generation runs, when asked. The constants tuned for one CPU live in products.py and experts.py and say which CPU.
+decodes its int8 and large bf16 dense products and its Gated DeltaNet steps in numba calls (kernel_steps.py).
+heap.py keeps the C heap's freed memory for reuse while a generation runs, when asked. The constants tuned for one
+CPU live in products.py, experts.py and kernel_steps.py and say which CPU.
 """
 from __future__ import annotations
 

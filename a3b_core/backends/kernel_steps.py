@@ -2,9 +2,9 @@
 the modules that call them: a dense matrix's product with a few rows, and a Gated DeltaNet layer's token step.
 
 A decoding step of the text model is mostly small products and many small torch calls, each with a fixed cost.
-- Dense products of up to KERNEL_MAX_ROWS rows (QuantizedLinear in int8; CpuLinear and FusedLinear in bf16): torch's
-  weight-only int8 kernel took 2-2.5x the kernel's time at every size from 64 to 1024 rows (1024 inputs, 2 threads,
-  an AVX2 EPYC). bf16 is summed as torch's matrix-vector kernel does (fp32 sums of the exact weights, rounded once),
+- Dense products of up to GEMV_MAX_ROWS rows, those of decoding (QuantizedLinear in int8; CpuLinear and FusedLinear
+  in bf16): torch's weight-only int8 kernel took 2-2.5x the kernel's time at every size from 64 to 1024 rows (1024
+  inputs, 2 threads, an AVX2 EPYC). bf16 is summed as torch's matrix-vector kernel does (fp32 sums of the exact weights, rounded once),
   and the kernel only pays from about BF16_KERNEL_MIN_ROWS rows on (1024 rows: 141 against 163 us; 512 rows: 99
   against 88 us): smaller bf16 matrices (routers, gates, small projections) keep torch's product.
 - A Gated DeltaNet layer's step from its input projections to its gated norm (the conv's step, the L2 norms, the
@@ -28,9 +28,8 @@ from torch import nn
 from .dense import QuantizedLinear
 from .kernel_experts import FORMAT_CODES, KERNEL_FORMATS, LOCK, compiled_kernels, kernel_arrays, kernels_enabled, \
     plain_cpu, set_threads
-from .products import CpuLinear, FusedLinear
+from .products import GEMV_MAX_ROWS, CpuLinear, FusedLinear
 
-KERNEL_MAX_ROWS = 2  # a dense product of up to this many rows is the kernel's (decoding; as GEMV_MAX_ROWS)
 BF16_KERNEL_MIN_ROWS = 1024
 
 
@@ -46,7 +45,7 @@ class DenseKernel:
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether the kernel computes this product: few rows, a plain CPU tensor."""
-        return x.numel() <= KERNEL_MAX_ROWS * x.shape[-1] and plain_cpu(x)
+        return x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and plain_cpu(x)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.detach().float().reshape(-1, x.shape[-1]).contiguous().numpy()
