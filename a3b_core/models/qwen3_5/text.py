@@ -53,10 +53,10 @@ class GatedDeltaNet(nn.Module):
         b, t, _ = x.shape
         qkv, z, beta, a = project(self, x)
         history = cache.conv_state(self.layer) if cache is not None else None
-        if t == 1 and history is not None and self.step_kernel is not None \
-                and self.step_kernel.takes(history, cache.recurrent_state(self.layer)):
-            o = self.step_kernel(qkv, z, beta, a, history, cache.recurrent_state(self.layer))
-            return self.out_proj(o.to(x.dtype))
+        if t == 1 and history is not None and self.step_kernel is not None:
+            state = cache.recurrent_state(self.layer)
+            if self.step_kernel.takes(history, state):
+                return self.out_proj(self.step_kernel(qkv, z, beta, a, history, state).to(x.dtype))
         qkv = F.silu(causal_conv(qkv, self.conv1d.weight, history))
         qk, v = qkv.float().split([2 * self.key_dim, self.value_dim], dim=-1)
         qk = l2_normalize(qk.view(b, t, 2 * self.nk, self.dk))  # the query heads, then the key heads
