@@ -27,7 +27,7 @@ from .tokenizer import Tokenizer, check_against_config
 from .backends.experts import CONVERTED_FORMATS
 from .weights import Progress, find_prefix, load_module
 
-EXPERT_CACHE_VERSION = 1
+EXPERT_CACHE_VERSION = 2  # 2: int4 in experts.quantize_int4's own layout
 VIDEO_GROUPS_PER_PASS = 8  # frame groups through the vision tower at once: bounds its memory for long clips
 DEMO_MODEL_NAME = "a3b-demo"  # load_model's default
 DEMO_MODELS = {name: Path(__file__).parent / "demo" / name for name in (DEMO_MODEL_NAME, "a3b-demo-fp8")}
@@ -386,11 +386,9 @@ class A3BModel:
 
 def expert_cache_dir(ckpt: Checkpoint, fmt: str) -> Path:
     """Where converted experts of this checkpoint are kept: keyed by the weight files' names, sizes and times, and by
-    the CPU instruction set torch runs on, since torch packs int4 matrices differently for AVX2 and AVX-512 (a cache
-    moved to another CPU, or read under another ATEN_CPU_CAPABILITY, would otherwise be misread)."""
+    the cache's format version (its layouts are the same on every CPU)."""
     root = Path(os.environ.get("A3B_CACHE_DIR", Path.home() / ".cache" / "a3b-nodes")) / "experts"
-    key = hashlib.sha256(repr((str(ckpt.folder.resolve()), fmt, EXPERT_CACHE_VERSION,
-                               torch.backends.cpu.get_cpu_capability(), [
+    key = hashlib.sha256(repr((str(ckpt.folder.resolve()), fmt, EXPERT_CACHE_VERSION, [
         (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.files])).encode()).hexdigest()[:16]
     return root / f"{ckpt.folder.name}-{fmt}-{key}"
 

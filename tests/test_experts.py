@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from a3b_core import load_model
-from a3b_core.backends.experts import QuantizedStack
+from a3b_core.backends.experts import QuantizedStack, TorchInt4Stack
 
 FORMAT_BYTES_VS_BF16 = {"int8": (0.49, 0.52), "int4": (0.26, 0.29), "fp8": (0.49, 0.52)}
 
@@ -79,20 +80,44 @@ def test_released_fp8_experts_are_kept_as_released(fixtures):
     torch.testing.assert_close(as_fp8, as_float, atol=1e-5, rtol=0)
 
 
-def test_the_expert_cache_is_kept_per_cpu_instruction_set(fixtures, tmp_path):
-    """torch's packed int4 layout depends on the instruction set it runs with, so each gets its own cache folder."""
-    script = ("import sys, torch; from a3b_core.checkpoint import Checkpoint; from a3b_core.engine import "
-              "expert_cache_dir; print(torch.backends.cpu.get_cpu_capability(), "
-              "expert_cache_dir(Checkpoint(sys.argv[1]), 'int4'))")
-    folders = {}
-    for capability in ("avx2", "default"):
-        env = os.environ | {"ATEN_CPU_CAPABILITY": capability, "A3B_CACHE_DIR": str(tmp_path)}
-        run = subprocess.run([sys.executable, "-c", script, str(fixtures.moe_fused_bf16)], capture_output=True,
-                             text=True, env=env, cwd=Path(__file__).parent.parent, timeout=120)
+def test_torch_int4_packing_holds_the_stores_values():
+    """Where no numba kernel computes an int4 matrix, it is repacked for torch's int4 kernel: the same weights (its
+    zero point is rounded to bf16 once more), the same products."""
+    torch.manual_seed(0)
+    w = torch.randn(2, 256, 384) * 0.05  # 384 inputs: three groups of 128
+    stack = QuantizedStack("int4", tuple(w.shape))
+    for e in range(2):
+        stack.set(e, w[e])
+    repacked = TorchInt4Stack(stack)
+    x = torch.randn(3, 384)
+    for e in range(2):
+        assert (repacked.dequantize(e) - stack.dequantize(e)).abs().max() < 2e-3
+        exact = x @ stack.dequantize(e).t()
+        assert (repacked.matmul(e, x).float() - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+def test_the_int4_cache_serves_every_instruction_set(fixtures, tmp_path):
+    """The int4 cache holds the package's own layout, the same on every CPU; torch's packing, which depends on the
+    instruction set, is made at load. A cache written under one instruction set is read under another (without
+    numba, so that torch's packing is made), to the same logits."""
+    script = ("import sys, torch; from safetensors.torch import save_file; from a3b_core import load_model; "
+              "from a3b_core.checkpoint import Checkpoint; from a3b_core.engine import expert_cache_dir; "
+              "model = load_model(sys.argv[1], preset='cpu', compute_dtype='float32', weight_format='int4'); "
+              "save_file({'logits': model.logits(torch.tensor([[1, 5, 9, 13, 2]]))}, sys.argv[2]); "
+              "print(torch.backends.cpu.get_cpu_capability(), expert_cache_dir(Checkpoint(sys.argv[1]), 'int4'))")
+    folders, logits = {}, []
+    for capability in ("default", "avx2"):
+        env = os.environ | {"ATEN_CPU_CAPABILITY": capability, "A3B_CACHE_DIR": str(tmp_path), "A3B_NO_NUMBA": "1"}
+        out = tmp_path / f"{capability}.safetensors"
+        run = subprocess.run([sys.executable, "-c", script, str(fixtures.moe_fused_bf16), str(out)],
+                             capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent, timeout=300)
         assert run.returncode == 0, run.stderr
         used, folder = run.stdout.split()
         folders[used] = folder
-    assert len(folders) == 2 and len(set(folders.values())) == 2, folders
+        logits.append(load_file(out)["logits"])
+    assert len(folders) == 2 and len(set(folders.values())) == 1, folders
+    assert len(list(Path(folder).glob("*.safetensors"))) == 4  # written once, by the first load
+    torch.testing.assert_close(logits[0], logits[1], atol=2e-2, rtol=0)
 
 
 def test_converted_experts_are_cached_on_disk(fixtures, tmp_path, monkeypatch):

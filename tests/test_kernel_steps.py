@@ -8,6 +8,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from a3b_core import load_model
 from a3b_core.backends import kernel_steps
 from a3b_core.backends.dense import QuantizedLinear
+from a3b_core.backends.experts import TorchInt4Stack
 from a3b_core.backends.kernel_experts import compiled_kernels, kernels_enabled
 from a3b_core.backends.kernel_steps import BF16_KERNEL_MIN_ROWS, DeltaNetKernel, DenseKernel, attach_step_kernels
 from a3b_core.backends.products import CpuLinear, FusedLinear, linear
@@ -38,9 +39,11 @@ def test_dense_products_equal_the_exact_product(rows, one_thread):
     fused.rows_kernel = DenseKernel("bf16", fused.weight[None], compiled_kernels())
     parts = fused(x)
     assert [p.shape[-1] for p in parts] == [100, 200] and relative_error(torch.cat(parts, -1), want) < EXACT_BOUND
-    int8 = QuantizedLinear("int8", weight.float())
-    int8.rows_kernel = DenseKernel("int8", int8.matrix, compiled_kernels())
-    assert relative_error(int8(x), x.double() @ int8.matrix.dequantize(0).double().t()) < EXACT_BOUND
+    for fmt, inputs in (("int8", 256), ("int4", 256), ("int4", 96)):  # int4 groups of 128, and of 32
+        quantised = QuantizedLinear(fmt, weight[:, :inputs].float())
+        quantised.rows_kernel = DenseKernel(fmt, quantised.matrix, compiled_kernels())
+        exact = x[..., :inputs].double() @ quantised.matrix.dequantize(0).double().t()
+        assert relative_error(quantised(x[..., :inputs]), exact) < EXACT_BOUND
 
 
 def test_a_dense_rows_result_does_not_depend_on_the_other_row(one_thread):
@@ -116,13 +119,14 @@ def attached(model) -> tuple[int, int]:
 # bf16 models, kernels against torch's path (4 layers, logit std 0.57; the tiny models' bf16 matrices are below
 # BF16_KERNEL_MIN_ROWS, so only dense int8 brings dense kernels): the kernels sum in fp32 where torch's bf16
 # path rounds intermediates to bf16 (and torch's int8 kernel the activations). Measured: 0.043 on the MoE (torch's bf16
-# path against the fp32 reference: 0.057), 0.031 on the MoE with dense int8, below 0.001 on the dense model. Greedy:
+# path against the fp32 reference: 0.057), 0.031 on the MoE with dense int8, 0.024 with dense int4, below 0.001 on the
+# dense model. Greedy:
 # the MoE's tokens equal torch's; elsewhere a token differs where torch's own logits are a near tie (0.016, 0.055).
 MODEL_LOGIT_BOUND = 0.15
 
 
 @pytest.mark.parametrize("which, dense_format", [("moe_fused_bf16", "auto"), ("dense", "auto"),
-                                                 ("moe_fused_bf16", "int8")])
+                                                 ("moe_fused_bf16", "int8"), ("moe_fused_bf16", "int4")])
 def test_bf16_models_decode_the_same_with_step_kernels(fixtures, which, dense_format, monkeypatch, one_thread):
     folder = getattr(fixtures, which)
     ids = fixtures.refs(folder)["text.input_ids"][:, :1]
@@ -131,7 +135,7 @@ def test_bf16_models_decode_the_same_with_step_kernels(fixtures, which, dense_fo
     monkeypatch.setenv("A3B_NO_NUMBA", "1")
     torch_path = load_model(folder, preset="cpu", compute_dtype="bfloat16", dense_format=dense_format)
     dense, steps = attached(with_kernels)
-    assert steps == 3 and (dense > 0) == (dense_format == "int8") and attached(torch_path) == (0, 0)
+    assert steps == 3 and (dense > 0) == (dense_format != "auto") and attached(torch_path) == (0, 0)
     assert (with_kernels.logits(ids).float() - torch_path.logits(ids).float()).abs().max() < MODEL_LOGIT_BOUND
     tokens = with_kernels.generate(ids[0], max_new_tokens=8, temperature=0).token_ids
     torch_logits = torch_path.logits(torch.cat([ids[0], torch.tensor(tokens)])[None])[0, ids.shape[1] - 1:-1].float()
@@ -143,6 +147,9 @@ def test_kernels_skip_fp32_models_and_small_matrices(fixtures, monkeypatch):
     monkeypatch.delenv("A3B_NO_NUMBA", raising=False)
     assert kernels_enabled()
     assert attached(load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32")) == (0, 0)
+    fp32_int4 = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32", dense_format="int4")
+    quantised = [m for m in fp32_int4.text.modules() if isinstance(m, QuantizedLinear)]
+    assert quantised and all(isinstance(m.matrix, TorchInt4Stack) for m in quantised)  # no kernel: torch's packing
     model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", dense_format="int8")
     for module in model.text.modules():
         if isinstance(module, QuantizedLinear):

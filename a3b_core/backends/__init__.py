@@ -7,9 +7,10 @@ and the vision tower's bf16 matrices are packed for oneDNN. Where oneDNN has no 
 bf16 products of more rows, the vision tower's included, are computed in fp32. With dense_format int8 or int4 the
 text model's dense matrices are quantised first (dense.py); an owner whose input projections are then not all bf16
 Linears is not fused. Quantised expert stores and FP8 dense layers (experts.py) are built by the family's loader;
-int8, FP8 and bf16 ones on the CPU compute a decoding step's routed experts in one numba call per layer
+int8, int4, FP8 and bf16 ones on the CPU compute a decoding step's routed experts in one numba call per layer
 (kernel_experts.py, cpu_kernels.py) when numba is there; with numba, a model whose compute dtype is not fp32 also
-decodes its int8 and large bf16 dense products and its Gated DeltaNet steps in numba calls (kernel_steps.py).
+decodes its int8, int4 and large bf16 dense products and its Gated DeltaNet steps in numba calls (kernel_steps.py).
+int4 matrices that no kernel computes are repacked for torch's int4 kernel.
 heap.py keeps the C heap's freed memory for reuse while a generation runs, when asked. The constants tuned for one
 CPU live in products.py, experts.py and kernel_steps.py and say which CPU.
 """
@@ -19,9 +20,9 @@ from collections.abc import Callable
 
 from torch import nn
 
-from .dense import quantize_dense
-from .experts import CONVERTED_FORMATS, CpuFloatExperts
-from .kernel_experts import swap_in_kernels
+from .dense import QuantizedLinear, quantize_dense
+from .experts import CONVERTED_FORMATS, CpuFloatExperts, QuantizedExperts, TorchInt4Stack
+from .kernel_experts import plain_cpu, swap_in_kernels
 from .kernel_steps import attach_step_kernels
 from .packed import pack_cpu_linears, packing_available
 from .products import fuse_input_projections, use_cpu_linears
@@ -47,7 +48,20 @@ def prepare_cpu(text: nn.Module, vision: nn.Module | None, release_text: Callabl
             setattr(text.get_submodule(parent), leaf, CpuFloatExperts(module.gate_up_proj, module.down_proj))
     swap_in_kernels(text)
     attach_step_kernels(text)
+    repack_int4_for_torch(text)
     if vision is not None and packing_available():
         pack_cpu_linears(vision, release_vision)
     elif vision is not None:  # no oneDNN bf16 kernels: the widened products of `linear`
         use_cpu_linears(vision)
+
+
+def repack_int4_for_torch(text: nn.Module) -> None:
+    """Gives the int4 matrices of `text` that no numba kernel computes (numba missing or off, an fp32 model's dense
+    matrices) torch's int4 packing, whose kernel is faster than dequantising each product."""
+    for module in list(text.modules()):
+        if isinstance(module, QuantizedExperts) and module.fmt == "int4" and plain_cpu(*module.buffers()):
+            module.gate_up_proj = TorchInt4Stack(module.gate_up_proj)
+            module.down_proj = TorchInt4Stack(module.down_proj)
+        elif isinstance(module, QuantizedLinear) and module.fmt == "int4" and module.rows_kernel is None \
+                and plain_cpu(*module.buffers()):
+            module.matrix = TorchInt4Stack(module.matrix)

@@ -3,19 +3,21 @@ compiled call, a dense matrix's product with a few rows, and a Gated DeltaNet la
 
 Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row
 in loops over its contiguous bytes that LLVM vectorises (int8: converted as they are summed, the sum times the row's
-scale; FP8 e4m3 and bf16: turned into fp32 by shifting bits, with no table, FP8's 128-column block sums times their
-block's scale); a parallel work item reads a block of consecutive rows of one expert, so the weights stream from
+scale; int4: a group's low and high nibbles summed against the group's two halves, times the group's scale, plus its
+minimum times the activations' group sum; FP8 e4m3 and bf16: turned into fp32 by shifting bits, with no table, FP8's
+128-column block sums times their block's scale); a parallel work item reads a block of consecutive rows of one expert, so the weights stream from
 memory in long runs. A chosen expert's rows are read once per call however many activation rows routed to it (the
 repeats hit the cache), and each row's result is the same whatever other rows share the call (batches decode as
 their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32 rounding of a sum, far
 below the formats' own.
 
-Arrays (all C-contiguous, so two compiled signatures of each kernel serve the three formats, each compiled once per
+Arrays (all C-contiguous, so two compiled signatures of each kernel serve the four formats, each compiled once per
 machine; a dense matrix is held as one expert):
     q       int8 [E, chunks, out, width]: int8 as torch's store holds it (column chunks); FP8 e4m3 bytes
-            [E, 1, out, in];
+            [E, 1, out, in]; int4 bytes [E, 1, out, in / 2] (backends.experts.quantize_int4's layout);
             int16 [E, 1, out, in]: bf16's bit patterns (turned into fp32 by a 16-bit shift)
     scale   float32: int8 [E, out, 1] (per row), FP8 [E, ceil(out/128), ceil(in/128)] (per 128x128 block, as released);
+            int4 [E, out, groups]: each element the bits of the group's bf16 scale (low half) and minimum (high half);
             bf16 has none (any float32 array of three dimensions)
 """
 from __future__ import annotations
@@ -24,11 +26,12 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-INT8, FP8, BF16 = 0, 1, 2
+INT8, FP8, BF16, INT4 = 0, 1, 2, 3
 FP8_BLOCK = 128  # the released FP8 checkpoints' scale blocks (backends.experts.FP8_BLOCK)
 ROW_BLOCK = 16  # output rows per parallel work item: small enough to balance threads over one expert's rows
 E4M3_BITS = np.int32(-0x78000001)  # 0x87FFFFFF: sign, fp32 exponent and mantissa bits an e4m3 byte fills
 E4M3_SCALE = np.float32(2.0 ** 120)  # fp32's exponent bias less e4m3's
+HIGH_HALF = np.int32(-0x10000)  # 0xFFFF0000: an int32's high bf16
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorised); no assumption that values are finite
 
 
@@ -39,9 +42,10 @@ def set_threads(threads: int) -> None:
 
 # inlined where it is called (numba's own inlining): as a called function its loops ran 1.5x slower on an AVX2 EPYC
 @njit(cache=True, fastmath=FAST, inline="always")
-def row_dot(fmt, q, scale, e, r, x, bits):
+def row_dot(fmt, q, scale, e, r, x, sums, bits):
     """Row r of expert e's matrix (scales applied) dotted with x, in fp32, in loops over the row's contiguous bytes
-    that LLVM vectorises. `bits` is int32 scratch of at least the row's length (FP8, bf16)."""
+    that LLVM vectorises. `sums` holds x's int4 group sums (group_sums); `bits` is int32 scratch of at least the
+    row's length (FP8, bf16, int4)."""
     acc = np.float32(0.0)
     if fmt == INT8:
         width = q.shape[3]
@@ -53,6 +57,24 @@ def row_dot(fmt, q, scale, e, r, x, bits):
         return acc * scale[e, r, 0]
     src = q[e, 0, r]
     n = x.shape[0]
+    if fmt == INT4:
+        groups = scale.shape[2]
+        half = src.shape[0] // groups
+        pairs = scale[e, r].view(np.int32)
+        for g in range(groups):  # bf16 scale and minimum -> fp32
+            bits[2 * g] = pairs[g] << 16
+            bits[2 * g + 1] = pairs[g] & HIGH_HALF
+        scale_min = bits[:2 * groups].view(np.float32)
+        for g in range(groups):
+            part = src[g * half:(g + 1) * half]
+            low_x, high_x = x[2 * g * half:(2 * g + 1) * half], x[(2 * g + 1) * half:(2 * g + 2) * half]
+            low, high = np.float32(0.0), np.float32(0.0)
+            for j in range(half):
+                b = np.int32(part[j])  # sign-extended: both nibbles masked
+                low += np.float32(b & 15) * low_x[j]
+                high += np.float32((b >> 4) & 15) * high_x[j]
+            acc += (low + high) * scale_min[2 * g] + sums[g] * scale_min[2 * g + 1]
+        return acc
     if fmt == BF16:  # bf16 is the top half of fp32: the bits sign-extended, shifted into place
         for k in range(n):
             bits[k] = np.int32(src[k]) << 16
@@ -72,6 +94,22 @@ def row_dot(fmt, q, scale, e, r, x, bits):
             block += values[k] * x[k]
         acc += block * scale[e, r // FP8_BLOCK, cb]
     return acc * E4M3_SCALE
+
+
+# not fastmath: a vectorised sum's order could depend on the row's place in x, and a row's result must not
+@njit(cache=True)
+def group_sums(fmt, scale, x):
+    """For int4, each row of x [T, in] summed over each group of inputs ([T, groups]); nothing for the others."""
+    if fmt != INT4:
+        return np.zeros((x.shape[0], 1), np.float32)
+    groups = scale.shape[2]
+    size = x.shape[1] // groups
+    sums = np.zeros((x.shape[0], groups), np.float32)
+    for t in range(x.shape[0]):
+        for g in range(groups):
+            for k in range(g * size, (g + 1) * size):
+                sums[t, g] += x[t, k]
+    return sums
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)
@@ -98,6 +136,7 @@ def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, out
     # a work item is a block of one expert's intermediate rows: its gate rows, its up rows (each a contiguous run
     # of weights), then SiLU(gate) * up
     act = np.empty((slots, inter), np.float32)
+    x_sums = group_sums(fmt, gu_scale, x)
     blocks = (inter + ROW_BLOCK - 1) // ROW_BLOCK
     for item in prange(used * blocks):
         u, b = item // blocks, item % blocks
@@ -106,15 +145,17 @@ def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, out
         bits = np.empty(hidden, np.int32)
         for s in range(slots):
             if expert_of[s] == u:
+                t = s // top_k
                 for i in range(first, end):
-                    gate[i - first] = row_dot(fmt, gu_q, gu_scale, experts[u], i, x[s // top_k], bits)
+                    gate[i - first] = row_dot(fmt, gu_q, gu_scale, experts[u], i, x[t], x_sums[t], bits)
                 for i in range(first, end):
                     g = gate[i - first]
-                    act[s, i] = g / (1 + np.exp(-g)) * row_dot(fmt, gu_q, gu_scale, experts[u], inter + i,
-                                                               x[s // top_k], bits)
+                    act[s, i] = g / (1 + np.exp(-g)) * row_dot(fmt, gu_q, gu_scale, experts[u], inter + i, x[t],
+                                                               x_sums[t], bits)
 
     # a work item is a block of output rows, read expert by expert: each row's experts summed in its routing's
     # order, so a row's result does not depend on the other rows of the call
+    act_sums = group_sums(fmt, dn_scale, act)
     blocks = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
     for b in prange(blocks):
         first, end = b * ROW_BLOCK, min(hidden, b * ROW_BLOCK + ROW_BLOCK)
@@ -123,7 +164,8 @@ def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, out
             for j in range(top_k):
                 s = t * top_k + j
                 for r in range(first, end):
-                    out[t, r] += weights[t, j] * row_dot(fmt, dn_q, dn_scale, experts[expert_of[s]], r, act[s], bits)
+                    out[t, r] += weights[t, j] * row_dot(fmt, dn_q, dn_scale, experts[expert_of[s]], r, act[s],
+                                                         act_sums[s], bits)
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)
@@ -131,13 +173,14 @@ def matrix_rows(fmt, q, scale, x, out):
     """out[t] = W x[t] for a dense matrix W held as one expert's (q [1, ...], scale as routed_step's); x [T, in] fp32,
     out [T, out] fp32. A work item is a block of W's rows, read once for all of x's rows."""
     rows = q.shape[2]
+    sums = group_sums(fmt, scale, x)
     blocks = (rows + ROW_BLOCK - 1) // ROW_BLOCK
     for b in prange(blocks):
         first, end = b * ROW_BLOCK, min(rows, b * ROW_BLOCK + ROW_BLOCK)
         bits = np.empty(x.shape[1], np.int32)
         for t in range(x.shape[0]):
             for r in range(first, end):
-                out[t, r] = row_dot(fmt, q, scale, 0, r, x[t], bits)
+                out[t, r] = row_dot(fmt, q, scale, 0, r, x[t], sums[t], bits)
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)

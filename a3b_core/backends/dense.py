@@ -30,9 +30,9 @@ def is_quantised_dense(name: str, shape: tuple[int, ...]) -> bool:
 
 
 class QuantizedLinear(nn.Module):
-    """A bias-free Linear held as int8 (symmetric, one scale per output row) or int4 (torch's CPU int4 layout,
-    groups of 128 inputs, or 64/32 where the input size asks), computed by torch's weight-only CPU kernels on bf16
-    activations; the output is in the input's dtype.
+    """A bias-free Linear held as int8 (symmetric, one scale per output row) or int4 (asymmetric, groups of 128
+    inputs, or 64/32 where the input size asks), its products of few rows computed by the numba kernels or torch's
+    weight-only CPU kernels (experts.QuantizedStack says which); the output is in the input's dtype.
 
     Error bounds against the fp32 model on the tiny test checkpoints (tests/test_dense_quant.py; logits' spread, max -
     min per token, ~3.4): mean |logit error| under 0.1 (3% of the spread) with int8, under 0.6 (18%) with int4; the
@@ -44,7 +44,7 @@ class QuantizedLinear(nn.Module):
         self.matrix = QuantizedStack(fmt, (1, *weight.shape))
         for first in range(0, weight.shape[0], QUANTISE_ROWS):
             self.matrix.set(0, weight[first:first + QUANTISE_ROWS].float(), first)
-        self.rows_kernel = None  # kernel_steps.DenseKernel (int8): products of few rows, when the numba kernels load
+        self.rows_kernel = None  # kernel_steps.DenseKernel: products of few rows, when the numba kernels load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows_kernel is not None and self.rows_kernel.takes(x):

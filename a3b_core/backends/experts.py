@@ -1,8 +1,10 @@
 """Routed-expert stores: one layer's experts in one storage format, FP8 as released or converted to int8 or int4
 (weight-only), and the CPU form of float experts. Every store offers the same interface as the model's own float
 experts: `device` (where the layer's experts are computed), `gate_up(e, x)` and `down(e, x)` (x @ W_e^T), so the MoE
-layer's loop does not care how the weights are stored. int8/int4 use torch's CPU weight-only kernels, which want bf16
-activations; FP8 is dequantised per use (only the experts a token picked). Also Fp8Linear, a dense layer kept FP8.
+layer's loop does not care how the weights are stored. int8 uses torch's CPU weight-only kernel, which wants bf16
+activations, for few rows; int4 is held in a layout of its own (quantize_int4), which the numba kernels read at memory
+speed (kernel_experts.py) and which is repacked for torch's int4 kernel where they are not used (TorchInt4Stack).
+Products of many rows, and FP8's, dequantise the expert used. Also Fp8Linear, a dense layer kept FP8.
 """
 from __future__ import annotations
 
@@ -29,8 +31,7 @@ INT8_KERNEL_MAX_ROWS = 32
 # int8 matrices are stored as column chunks of this many inputs, one kernel call each: the kernel reads a [out, 512]
 # matrix faster per byte than a [out, 1024] one (+10-12% decode with int8 experts on an AVX-512 EPYC).
 INT8_K_CHUNK = 512
-# QuantizedStack.set may fill a matrix a part at a time at multiples of this many rows: a whole FP8 scale block, and
-# whole blocks of torch's int4 packing (32 or 64 rows, by instruction set).
+# QuantizedStack.set may fill a matrix a part at a time at multiples of this many rows: a whole FP8 scale block.
 SET_ROWS_MULTIPLE = 128
 
 
@@ -55,8 +56,8 @@ class CpuFloatExperts(nn.Module):
 
 
 class QuantizedStack(nn.Module):
-    """E matrices [E, out, in] stored as int8 (per output row scale), int4 (group-wise scale and zero) or FP8
-    (128x128 block scales); `matmul(e, x)` = x @ W_e^T in the activation dtype the format's kernel wants."""
+    """E matrices [E, out, in] stored as int8 (per output row scale), int4 (group-wise scale and minimum,
+    quantize_int4's layout) or FP8 (128x128 block scales); `matmul(e, x)` = x @ W_e^T."""
 
     def __init__(self, fmt: str, shape: tuple[int, int, int], device: torch.device | str = "cpu"):
         super().__init__()
@@ -69,7 +70,7 @@ class QuantizedStack(nn.Module):
         elif fmt == "int4":
             self.group = int4_group_size(inp)
             self.q = nn.Buffer(torch.empty(e, out, inp // 2, dtype=torch.uint8, device=device))
-            self.scale = nn.Buffer(torch.empty(e, inp // self.group, out, 2, dtype=torch.bfloat16, device=device))
+            self.scale = nn.Buffer(torch.empty(e, out, inp // self.group, 2, dtype=torch.bfloat16, device=device))
         elif fmt == "fp8":
             self.q = nn.Buffer(torch.empty(e, out, inp, dtype=torch.float8_e4m3fn, device=device))
             self.scale = nn.Buffer(torch.empty(e, -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK), device=device))
@@ -89,8 +90,8 @@ class QuantizedStack(nn.Module):
             self.scale[e, rows].copy_(scale)
         elif self.fmt == "int4":
             q, scale = quantize_int4(w, self.group)
-            self.q[e, rows].copy_(q)  # torch packs rows in blocks of 32 or 64, each block's bytes its own rows'
-            self.scale[e, :, rows].copy_(scale)
+            self.q[e, rows].copy_(q)
+            self.scale[e, rows].copy_(scale)
         else:
             q, scale = quantize_fp8(w)
             self.q[e, rows].copy_(q)
@@ -106,7 +107,7 @@ class QuantizedStack(nn.Module):
         if self.fmt == "int8":
             return (self.int8_matrix(e).float() * self.scale[e].float()[:, None]).to(dtype)
         if self.fmt == "int4":
-            return dequantize_int4(self.q[e], self.scale[e], self.group, self.shape[1:]).to(dtype)
+            return dequantize_int4(self.q[e], self.scale[e], dtype)
         return dequantize_fp8(self.q[e], self.scale[e], block=(FP8_BLOCK, FP8_BLOCK), dtype=dtype)
 
     def int8_matrix(self, e: int) -> torch.Tensor:
@@ -124,8 +125,8 @@ class QuantizedStack(nn.Module):
                 return out
             if self.fmt == "int8":  # many rows (prefill): dequantise once, one bf16 product
                 return linear(x.to(torch.bfloat16), self.int8_matrix(e) * self.scale[e][:, None])  # int8 * bf16: bf16
-            if self.fmt == "int4":
-                return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.q[e], self.group, self.scale[e])
+            if self.fmt == "int4":  # the kernels' layout: dequantised, an fp32 product of the exact weights
+                return F.linear(x.float(), self.dequantize(e)).to(x.dtype)
         compute = torch.bfloat16 if x.dtype == torch.float32 and self.fmt != "fp8" else x.dtype
         return linear(x.to(compute), self.dequantize(e, compute)).to(x.dtype)
 
@@ -163,21 +164,54 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_int4(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Asymmetric group-wise int4 in torch's CPU layout: w ~ (q - 8) * scale + zero, per group of `group` inputs."""
+    """Asymmetric group-wise int4, w ~ q * scale + minimum per group of `group` inputs (q in 0..15), as
+    (bytes uint8 [out, in / 2], scale and minimum bf16 [out, groups, 2]). A group's bytes are its own: byte j holds
+    input j in its low nibble and input j + group / 2 in its high one, so that a kernel reads both halves of a group
+    with contiguous loads, whatever the instruction set (the cache on disk is the same everywhere)."""
     out, inp = w.shape
     g = w.reshape(out, inp // group, group)
     low, high = g.amin(-1), g.amax(-1)
     scale = ((high - low) / 15).clamp(min=1e-12)
-    q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32).reshape(out, inp)
-    zero = low + 8 * scale
-    scale_zero = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    return torch._convert_weight_to_int4pack_for_cpu(q, 1), scale_zero
+    q = torch.round((g - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.uint8)
+    packed = q[..., :group // 2] | (q[..., group // 2:] << 4)
+    return packed.reshape(out, inp // 2), torch.stack([scale, low], dim=-1).to(torch.bfloat16)
 
 
-def dequantize_int4(packed: torch.Tensor, scale_zero: torch.Tensor, group: int, shape: tuple[int, int]) -> torch.Tensor:
-    # the packed layout is the kernel's own: recover W by multiplying the identity through the kernel
-    eye = torch.eye(shape[1], dtype=torch.bfloat16)
-    return torch._weight_int4pack_mm_for_cpu(eye, packed, group, scale_zero).float().t()
+def int4_values(packed: torch.Tensor, group: int) -> torch.Tensor:
+    """The 4-bit values (0..15, uint8 [out, in]) of quantize_int4's bytes."""
+    halves = packed.view(packed.shape[0], -1, group // 2)
+    return torch.cat([halves & 15, halves >> 4], dim=-1).view(packed.shape[0], -1)
+
+
+def dequantize_int4(packed: torch.Tensor, scale_min: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """quantize_int4's matrix [out, in] in `dtype` (each weight one fp32 multiply-add, rounded to it once)."""
+    out, groups = scale_min.shape[:2]
+    values = int4_values(packed, 2 * packed.shape[1] // groups).view(out, groups, -1)
+    scale_min = scale_min.to(device=packed.device, dtype=torch.float32)
+    return torch.addcmul(scale_min[..., 1:], values.float(), scale_min[..., :1]).view(out, -1).to(dtype)
+
+
+class TorchInt4Stack(nn.Module):
+    """An int4 QuantizedStack repacked for torch's CPU int4 kernel (groups and values as they are): the products of
+    int4 matrices where the numba kernels are not used. torch's packing depends on the instruction set, so it is
+    made at load from the store's own layout, which is what the cache on disk holds."""
+
+    def __init__(self, stack: QuantizedStack):
+        super().__init__()
+        self.fmt, self.shape, self.group = "int4", stack.shape, stack.group
+        # torch's kernel computes (q - 8) * scale + zero, its scales [groups, out, 2] per matrix
+        scale, low = stack.scale.float().unbind(-1)
+        self.scale = nn.Buffer(torch.stack([scale, low + 8 * scale], dim=-1).transpose(1, 2).to(torch.bfloat16)
+                               .contiguous())
+        self.q = nn.Buffer(torch.stack([torch._convert_weight_to_int4pack_for_cpu(int4_values(q, self.group).int(), 1)
+                                        for q in stack.q]))
+
+    def dequantize(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        eye = torch.eye(self.shape[2], dtype=torch.bfloat16)  # the packing is the kernel's own: W through it
+        return torch._weight_int4pack_mm_for_cpu(eye, self.q[e], self.group, self.scale[e]).t().to(dtype)
+
+    def matmul(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.q[e], self.group, self.scale[e])
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,7 +250,7 @@ def convert_experts(fmt: str, shape: tuple[int, int, int], matrix: ExpertMatrix,
     converted one expert at a time from `matrix` and written to it (a cache that cannot be written only costs the
     next load a conversion). `release()` then drops the checkpoint's pages: the converted copy is all that stays."""
     if fmt == "int4" and device.type != "cpu":
-        raise PlacementError(f"int4 routed experts can only be computed by the CPU (torch's CPU int4 kernel), not on "
+        raise PlacementError(f"int4 routed experts can only be computed by the CPU (its int4 kernels), not on "
                              f"{device}; keep them in RAM, or put fp8/bf16 experts on the GPU.")
     experts = QuantizedExperts(fmt, *shape, "cpu")
     state = experts.state_dict()

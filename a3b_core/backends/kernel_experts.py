@@ -9,12 +9,12 @@ there the products are matrix-matrix and already efficient. The choice is made p
 that a sequence decodes to the same tokens whatever batch it is in (a row's result from the kernel does not depend
 on the other rows, while a prefill's path would then depend on how many rows a batch's last chunk has).
 
-Applied at load by prepare_cpu as a module swap of CPU expert stores in int8, FP8 (as released: 128x128 block
-scales, decoded in the kernel by shifting bits, so FP8 checkpoints need no converted cache) and bf16, reading the
-store's tensors as they are. bf16 experts are summed in fp32 from their exact weights (torch's bf16 products round
-the activations to bf16), and the kernel saves torch's per-expert calls: in bench/expert_step.py its step ran 1.34x
-as fast as torch's products for one row, 1.79x for four. int4 experts keep torch's products: torch's int4 kernel was
-faster than a numba decode of its nibbles. fp32 experts (the reference path) keep torch's products too.
+Applied at load by prepare_cpu as a module swap of CPU expert stores in int8, int4 (experts.quantize_int4's layout,
+made for this kernel), FP8 (as released: 128x128 block scales, decoded in the kernel by shifting bits, so FP8
+checkpoints need no converted cache) and bf16, reading the store's tensors as they are. bf16 experts are summed in
+fp32 from their exact weights (torch's bf16 products round the activations to bf16), and the kernel saves torch's
+per-expert calls: in bench/expert_step.py its step ran 1.34x as fast as torch's products for one row, 1.79x for
+four. fp32 experts (the reference path) keep torch's products.
 
 numba compiles the kernel on first use and keeps it in its on-disk cache: in this package's __pycache__ when that is
 writable, else in the user's cache directory (numba's own choice; NUMBA_CACHE_DIR overrides it). Nothing is swapped,
@@ -38,8 +38,8 @@ from torch import nn
 
 from .experts import CpuFloatExperts, QuantizedExperts
 
-KERNEL_FORMATS = ("int8", "fp8")  # the quantised stores swapped; bf16 CpuFloatExperts are swapped too
-FORMAT_CODES = {"int8": 0, "fp8": 1, "bf16": 2}  # cpu_kernels.INT8, FP8, BF16
+KERNEL_FORMATS = ("int8", "int4", "fp8")  # the quantised stores swapped; bf16 CpuFloatExperts are swapped too
+FORMAT_CODES = {"int8": 0, "fp8": 1, "bf16": 2, "int4": 3}  # cpu_kernels.INT8, FP8, BF16, INT4
 LOCK = threading.Lock()  # numba's thread pools do not all accept calls from two threads at once
 # the kernels' thread count as last set on this thread (numba's setting is per thread; setting it costs ~17 us)
 _threads = threading.local()
@@ -80,20 +80,23 @@ def plain_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def check_kernels(kernels: ModuleType) -> None:
-    """One routed step of two rows on tiny int8 experts, and on the same experts in bf16 (the kernel's two compiled
-    signatures), equals the same step in fp64."""
+    """One routed step of two rows on tiny int8 and int4 experts, and on the int8 ones in bf16 (the kernel's two
+    compiled signatures), equals the same step in fp64."""
     g = torch.Generator().manual_seed(0)
-    experts = QuantizedExperts("int8", 4, 32, 16)
-    for e in range(4):
-        experts.gate_up_proj.set(e, torch.randn(32, 32, generator=g))
-        experts.down_proj.set(e, torch.randn(32, 16, generator=g))
-    bf16 = CpuFloatExperts(*(nn.Parameter(torch.stack([stack.dequantize(e) for e in range(4)]).bfloat16())
-                             for stack in (experts.gate_up_proj, experts.down_proj)))
-    x = torch.randn(2, 32, generator=g)
+    matrices = [(torch.randn(64, 64, generator=g), torch.randn(64, 32, generator=g)) for _ in range(4)]
+    stores = [QuantizedExperts(fmt, 4, 64, 32) for fmt in ("int8", "int4")]
+    for store in stores:
+        for e, (gate_up, down) in enumerate(matrices):
+            store.gate_up_proj.set(e, gate_up)
+            store.down_proj.set(e, down)
+    int8 = stores[0]
+    stores.append(CpuFloatExperts(*(nn.Parameter(torch.stack([stack.dequantize(e) for e in range(4)]).bfloat16())
+                                    for stack in (int8.gate_up_proj, int8.down_proj))))
+    x = torch.randn(2, 64, generator=g)
     ids, weights = torch.tensor([[1, 3], [3, 0]]), torch.tensor([[0.6, 0.4], [0.7, 0.3]])
-    for store in (experts, bf16):
+    for store in stores:
         got = KernelExperts(store, kernels).routed_step(x, ids, weights).double()
-        want = torch.zeros(2, 32, dtype=torch.float64)
+        want = torch.zeros(2, 64, dtype=torch.float64)
         for t in range(2):
             for e, w in zip(ids[t].tolist(), weights[t].tolist()):
                 gate, up = (matrix(store.gate_up_proj, e).double() @ x[t].double()).chunk(2)
@@ -110,12 +113,15 @@ def matrix(stack: nn.Module | torch.Tensor, e: int) -> torch.Tensor:
 def kernel_arrays(fmt: str, stack: nn.Module | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """The kernels' numpy views of a quantised stack or a bf16 tensor [E, out, in]: (q, scale) as cpu_kernels.py
     reads them (int8 [E, chunks, out, chunk] with scales [E, out, 1]; FP8 [E, 1, out, in] with its block scales;
-    bf16 as int16 [E, 1, out, in] and an empty scale)."""
+    int4 [E, 1, out, in / 2] with each group's bf16 scale and minimum as one float32's bits; bf16 as int16
+    [E, 1, out, in] and an empty scale)."""
     if fmt == "bf16":
         return stack.view(torch.int16).numpy()[:, None], np.empty((0, 0, 0), np.float32)
     q = stack.q.view(torch.int8).numpy()
     if fmt == "int8":
         return q, stack.scale.float().numpy()[:, :, None].copy()
+    if fmt == "int4":
+        return q[:, None], stack.scale.view(torch.float32).squeeze(-1).numpy()
     return q[:, None], stack.scale.numpy()
 
 
@@ -140,7 +146,7 @@ class KernelMatrices(nn.Module):
 
 
 class KernelExperts(nn.Module):
-    """A layer's int8, FP8 or bf16 routed experts on the CPU whose decoding step is one kernel call (`routed_step`);
+    """A layer's int8, int4, FP8 or bf16 routed experts on the CPU whose decoding step is one kernel call (`routed_step`);
     `gate_up(e, x)` / `down(e, x)` serve prefill through the store's own products."""
 
     def __init__(self, store: QuantizedExperts | CpuFloatExperts, kernels: ModuleType):
@@ -171,7 +177,8 @@ class KernelExperts(nn.Module):
 
 
 def swap_in_kernels(text: nn.Module) -> None:
-    """Replaces each int8, FP8 or bf16 CPU expert store of `text` by its KernelExperts, when kernels are enabled."""
+    """Replaces each int8, int4, FP8 or bf16 CPU expert store of `text` by its KernelExperts, when kernels are
+    enabled."""
     if not kernels_enabled():
         return
     kernels = compiled_kernels()

@@ -2,8 +2,8 @@
 the modules that call them: a dense matrix's product with a few rows, and a Gated DeltaNet layer's token step.
 
 A decoding step of the text model is mostly small products and many small torch calls, each with a fixed cost.
-- Dense products of up to GEMV_MAX_ROWS rows, those of decoding (QuantizedLinear in int8; CpuLinear and FusedLinear
-  in bf16): torch's weight-only int8 kernel took 2-2.5x the kernel's time at every size from 64 to 1024 rows (1024
+- Dense products of up to GEMV_MAX_ROWS rows, those of decoding (QuantizedLinear in int8 and int4; CpuLinear and
+  FusedLinear in bf16): torch's weight-only int8 kernel took 2-2.5x the kernel's time at every size from 64 to 1024 rows (1024
   inputs, 2 threads, an AVX2 EPYC). bf16 is summed as torch's matrix-vector kernel does (fp32 sums of the exact
   weights, rounded once), and the kernel only pays from about BF16_KERNEL_MIN_ROWS rows on (1024 rows: 141 against
   163 us; 512 rows: 99 against 88 us): smaller bf16 matrices (routers, gates, small projections) keep torch's
@@ -102,13 +102,15 @@ def checked_step_kernels() -> ModuleType | None:
 
 
 def check_step_kernels(kernels: ModuleType) -> None:
-    """A product of two rows with a bf16 and an int8 matrix; a DeltaNet step from an empty state and history, where
-    the delta rule reduces to o = (q . k) * beta * v."""
+    """A product of two rows with a bf16, an int8 and an int4 matrix; a DeltaNet step from an empty state and
+    history, where the delta rule reduces to o = (q . k) * beta * v."""
     g = torch.Generator().manual_seed(0)
-    weight, x = torch.randn(64, 32, generator=g).bfloat16(), torch.randn(2, 32, generator=g)
-    int8 = QuantizedLinear("int8", weight.float())
-    for got, matrix in ((DenseKernel("bf16", weight[None], kernels)(x), weight.float()),
-                        (DenseKernel("int8", int8.matrix, kernels)(x), int8.matrix.dequantize(0))):
+    weight, x = torch.randn(64, 64, generator=g).bfloat16(), torch.randn(2, 64, generator=g)
+    cases = [(DenseKernel("bf16", weight[None], kernels)(x), weight.float())]
+    for fmt in ("int8", "int4"):
+        quantised = QuantizedLinear(fmt, weight.float()).matrix
+        cases.append((DenseKernel(fmt, quantised, kernels)(x), quantised.dequantize(0)))
+    for got, matrix in cases:
         if not torch.allclose(got, x @ matrix.t(), rtol=1e-4, atol=1e-4):
             raise ValueError("the dense kernel's product differs from torch's")
     heads, dim, taps = 2, 16, 4
