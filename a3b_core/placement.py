@@ -17,7 +17,7 @@ Bytes per format (vectors such as norms and biases, and the DeltaNet conv kernel
 - bf16 / fp16 2 B/weight, fp32 4 B/weight; fp8 1 B/weight plus the checkpoint's block scales (held in fp32), and
   only where the checkpoint stores FP8;
 - int8: 1 B/weight + one bf16 scale per output row (counted as one per 128 weights, ~0.51x of bf16);
-- int4: 0.5 B/weight + a bf16 scale and zero point per 128 weights (~0.27x of bf16).
+- int4: 0.5 B/weight + an fp32 scale and minimum per 128 weights (~0.28x of bf16).
 KV cache: attention layers (Qwen3.5: its full-attention layers; Qwen3-VL: all) x 2 x KV heads x head_dim per token, in
 a float format or int8 with one fp32 scale per token and head; stored in another format than the compute one, plus one
 layer's keys and values in the compute format as scratch. Qwen3.5's DeltaNet state: conv history and recurrent state in
@@ -65,7 +65,7 @@ PRESETS = {
 }
 CPU_CONTEXT = 32768
 MIN_CONTEXT = 4096  # an automatically chosen context is never halved below this
-QUANT = {"int8": (8, 128, 2), "int4": (4, 128, 4)}  # bits per weight, group size, bytes of scales per group
+QUANT = {"int8": (8, 128, 2), "int4": (4, 128, 8)}  # bits per weight, group size, bytes of scales per group
 DENSE_GROUPS = ("lm_head", "mixers", "shared_experts", "routers", "mlp", "norms", "other")
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]  # shape, dtype
@@ -440,7 +440,7 @@ class _Planner:
                                                            if self.inv.experts_fp8 else ""))
         else:
             fmt = "int4"
-            notes.append(f"CPU experts in int4 (groups of 128, ~0.27x of bf16) because int8 would need "
+            notes.append(f"CPU experts in int4 (groups of 128, ~0.28x of bf16) because int8 would need "
                          f"{format_bytes(need('int8'))} of RAM and {format_bytes(cpu_budget)} is available; int4 "
                          "costs some accuracy")
         if need(fmt) > cpu_budget:

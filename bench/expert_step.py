@@ -1,12 +1,12 @@
 """One layer's routed-expert step on the CPU: torch's per-expert products vs the numba kernel (kernel_experts.py).
 
-    python bench/expert_step.py                       # int8, FP8 and bf16, 1 row, 2 threads
+    python bench/expert_step.py                       # int8, int4, FP8 and bf16, 1 row, 2 threads
     python bench/expert_step.py --rows 4 --formats int8
 
 The bench model's shapes (hidden 1024, moe_intermediate 512, 64 experts, top-8) with 16 layers of random weights in
 their own memory (copies of one layer: far more than the L3 cache holds), each step a random routing on the next
-layer, run through the model's own RoutedExperts.routed_experts with the store as loading makes it (torch) and with
-its KernelExperts swap (numba). Rounds interleave the two; each format's medians are printed as soon as it is done,
+layer, run through the model's own RoutedExperts.routed_experts with the store as loading makes it without numba
+(torch; int4 in torch's packing) and with its KernelExperts swap (numba). Rounds interleave the two; each format's medians are printed as soon as it is done,
 with the weight bytes a step reads per second (the experts its rows pick between them, in expectation), next to the
 memory bandwidth measured in the same run (roofline.py: 1 GiB fp32 sum).
 """
@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: bench.*, a3b_core
 
+from a3b_core.backends import repack_int4_for_torch  # noqa: E402
 from a3b_core.backends.experts import CpuFloatExperts, QuantizedExperts  # noqa: E402
 from a3b_core.backends.kernel_experts import KernelExperts, compiled_kernels  # noqa: E402
 from a3b_core.models.layers import RoutedExperts  # noqa: E402
@@ -68,7 +69,7 @@ def time_steps(layers: list[RoutedExperts], rows: int, steps: int, g: torch.Gene
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--formats", default="int8,fp8,bf16")
+    parser.add_argument("--formats", default="int8,int4,fp8,bf16")
     parser.add_argument("--rows", type=int, default=1, help="rows per step: sequences decoded together")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
@@ -95,8 +96,9 @@ def main() -> None:
             torch_layers = [RoutedExperts(cfg) for _ in stores]
             kernel_layers = [RoutedExperts(cfg) for _ in stores]
         for torch_layer, kernel_layer, store in zip(torch_layers, kernel_layers, stores):
-            torch_layer.experts = store
             kernel_layer.experts = KernelExperts(store, kernels)
+            torch_layer.experts = copy.deepcopy(store) if fmt == "int4" else store
+            repack_int4_for_torch(torch_layer.experts)
         del first, stores
         time_steps(torch_layers, args.rows, LAYERS, g)  # warm-up: page faults, first calls
         time_steps(kernel_layers, args.rows, LAYERS, g)

@@ -82,7 +82,7 @@ def test_released_fp8_experts_are_kept_as_released(fixtures):
 
 def test_torch_int4_packing_holds_the_stores_values():
     """Where no numba kernel computes an int4 matrix, it is repacked for torch's int4 kernel: the same weights (its
-    zero point is rounded to bf16 once more), the same products."""
+    scales and zero points rounded to bf16), the same products."""
     torch.manual_seed(0)
     w = torch.randn(2, 256, 384) * 0.05  # 384 inputs: three groups of 128
     stack = QuantizedStack("int4", tuple(w.shape))

@@ -113,15 +113,15 @@ def matrix(stack: nn.Module | torch.Tensor, e: int) -> torch.Tensor:
 def kernel_arrays(fmt: str, stack: nn.Module | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """The kernels' numpy views of a quantised stack or a bf16 tensor [E, out, in]: (q, scale) as cpu_kernels.py
     reads them (int8 [E, chunks, out, chunk] with scales [E, out, 1]; FP8 [E, 1, out, in] with its block scales;
-    int4 [E, 1, out, in / 2] with each group's bf16 scale and minimum as one float32's bits; bf16 as int16
-    [E, 1, out, in] and an empty scale)."""
+    int4 uint8 [E, 1, out, in / 2] with each group's scale and minimum side by side [E, out, 2 * groups]; bf16 as
+    int16 [E, 1, out, in] and an empty scale)."""
     if fmt == "bf16":
         return stack.view(torch.int16).numpy()[:, None], np.empty((0, 0, 0), np.float32)
+    if fmt == "int4":
+        return stack.q.numpy()[:, None], stack.scale.flatten(2).numpy()
     q = stack.q.view(torch.int8).numpy()
     if fmt == "int8":
         return q, stack.scale.float().numpy()[:, :, None].copy()
-    if fmt == "int4":
-        return q[:, None], stack.scale.view(torch.float32).squeeze(-1).numpy()
     return q[:, None], stack.scale.numpy()
 
 
