@@ -9,7 +9,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from a3b_core import load_model
 from a3b_core.backends.experts import CpuFloatExperts, QuantizedExperts
-from a3b_core.backends.kernel_experts import KernelExperts, compiled_kernels, kernels_enabled, matrix, swap_in_kernels
+from a3b_core.backends.kernel_experts import FORMAT_CODES, KernelExperts, compiled_kernels, dequantized, kernels_enabled, \
+    matrix, swap_in_kernels
 from a3b_core.models.layers import RoutedExperts
 from tests.fake_cuda import FakeCuda
 
@@ -98,14 +99,24 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(threads, fmt):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8", "bf16"])
-def test_prefill_takes_the_stores_products(fmt, one_thread):
+def test_prefill_multiplies_the_stores_own_weights(fmt, one_thread):
+    """Prefill (many rows): bf16 experts take the store's products; quantised ones take torch's fp32 product of
+    the kernel's dequantised matrices, which are the store's own to the bit."""
     store = make_store(fmt)
     rows = 12
     x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(2))
     top_i = torch.arange(2 * rows).view(rows, 2) % EXPERTS
     top_p = torch.full((rows, 2), 0.5)
-    want = moe_layer(store).routed_experts(x, top_i, top_p)
-    assert torch.equal(moe_layer(KernelExperts(store, compiled_kernels())).routed_experts(x, top_i, top_p), want)
+    kernel = KernelExperts(store, compiled_kernels())
+    got = moe_layer(kernel).routed_experts(x, top_i, top_p)
+    if fmt == "bf16":
+        assert torch.equal(got, moe_layer(store).routed_experts(x, top_i, top_p))
+        return
+    assert relative_error(got, fp64_step(store, x, top_i, top_p)) < EXACT_BOUND
+    for matrices, stack in ((kernel.gate_up_proj, store.gate_up_proj), (kernel.down_proj, store.down_proj)):
+        for e in range(EXPERTS):
+            weight = dequantized(compiled_kernels(), FORMAT_CODES[fmt], matrices.arrays, matrices.shape[1:], e)
+            assert torch.equal(weight, stack.dequantize(e))
 
 
 def kernel_stores(model) -> int:

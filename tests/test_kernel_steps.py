@@ -46,6 +46,18 @@ def test_dense_products_equal_the_exact_product(rows, one_thread):
         assert relative_error(quantised(x[..., :inputs]), exact) < EXACT_BOUND
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantised_products_of_many_rows_use_the_dequantised_weights(fmt, one_thread):
+    """A prefill's rows: torch's fp32 product of the kernel's dequantised matrix (the store's own weights)."""
+    g = torch.Generator().manual_seed(0)
+    quantised = QuantizedLinear(fmt, torch.randn(300, 256, generator=g))
+    quantised.rows_kernel = DenseKernel(fmt, quantised.matrix, compiled_kernels())
+    x = torch.randn(2, 5, 256, generator=g)
+    got = quantised(x)
+    assert got.shape == (2, 5, 300)
+    assert relative_error(got, x.double() @ quantised.matrix.dequantize(0).double().t()) < EXACT_BOUND
+
+
 def test_a_dense_rows_result_does_not_depend_on_the_other_row(one_thread):
     weight = torch.randn(256, 128).bfloat16()
     layer = CpuLinear(torch.nn.Parameter(weight))

@@ -1,5 +1,6 @@
 """The numba kernels of kernel_experts.py and kernel_steps.py: one layer's routed-expert step for a few rows in one
-compiled call, a dense matrix's product with a few rows, and a Gated DeltaNet layer's decoding step.
+compiled call, a dense matrix's product with a few rows, a quantised matrix dequantised (for products of many rows),
+and a Gated DeltaNet layer's decoding step.
 
 Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row
 in loops over its contiguous bytes that LLVM vectorises (int8: converted as they are summed, the sum times the row's
@@ -41,17 +42,31 @@ def set_threads(threads: int) -> None:
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
+def nibbles(byte):
+    """A uint8's low and high nibbles as fp32, split in fp32 (exact: the byte's value / 16, floored): numba's integer
+    shifts and masks widen to 64 bits, which ran 1.5x slower on an AVX2 EPYC."""
+    value = np.float32(byte)
+    high = np.floor(value * np.float32(0.0625))
+    return value - np.float32(16.0) * high, high
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def e4m3_bits(byte):
+    """An e4m3 byte (int8) as the bits of an fp32 of 2^-120 times its value: sign-extended and shifted so that its 7
+    low bits land at fp32's exponent and mantissa and its sign at the top, the sign's copies in between cleared
+    (e4m3 subnormals become fp32 subnormals, exact). NaN codes (no released checkpoint holds them) read as 480."""
+    return (np.int32(byte) << 20) & E4M3_BITS
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
 def nibble_dot(row, x, g, half):
     """Group g of an int4 row (uint8 bytes, `half` a group) dotted with x: low nibbles with the group's first half
     of inputs, high ones with its second."""
     low, high = np.float32(0.0), np.float32(0.0)
     first = 2 * g * half
     for j in range(half):
-        # the nibbles split in fp32 (exact: a byte's value / 16, floored): numba's integer shifts and masks widen to
-        # 64 bits, which ran 1.5x slower on an AVX2 EPYC
-        byte = np.float32(row[g * half + j])
-        high_nibble = np.floor(byte * np.float32(0.0625))
-        low += (byte - np.float32(16.0) * high_nibble) * x[first + j]
+        low_nibble, high_nibble = nibbles(row[g * half + j])
+        low += low_nibble * x[first + j]
         high += high_nibble * x[first + half + j]
     return low + high
 
@@ -89,11 +104,8 @@ def row_dot(fmt, q, scale, e, r, x, sums, bits):
         for k in range(n):
             acc += values[k] * x[k]
         return acc
-    # e4m3 -> fp32 bits: the byte sign-extended and shifted so that its 7 low bits land at fp32's exponent and
-    # mantissa and its sign at the top, the sign's copies in between cleared; the float is then 2^-120 of the value
-    # (e4m3 subnormals become fp32 subnormals, exact). NaN codes (no released checkpoint holds them) read as 480.
     for k in range(n):
-        bits[k] = (np.int32(src[k]) << 20) & E4M3_BITS
+        bits[k] = e4m3_bits(src[k])
     values = bits[:n].view(np.float32)
     for cb in range(scale.shape[2]):
         block = np.float32(0.0)
@@ -188,6 +200,38 @@ def matrix_rows(fmt, q, scale, x, out):
         for t in range(x.shape[0]):
             for r in range(first, end):
                 out[t, r] = row_dot(fmt, q, scale, 0, r, x[t], sums[t], bits)
+
+
+@njit(cache=True, fastmath=FAST, parallel=True)
+def dequantize(fmt, q, scale, e, out):
+    """Expert e's int8, int4 or FP8 matrix in fp32 (scales applied) into out [rows, in], rows in parallel."""
+    rows, n = out.shape
+    for r in prange(rows):
+        dst = out[r]
+        if fmt == INT8:
+            width, row_scale = q.shape[3], scale[e, r, 0]
+            for c in range(q.shape[1]):
+                src = q[e, c, r]
+                for j in range(width):
+                    dst[c * width + j] = np.float32(src[j]) * row_scale
+        elif fmt == INT4:
+            src, scale_min = q[e, 0, r], scale[e, r]
+            groups = scale.shape[2] // 2
+            half = src.shape[0] // groups
+            for g in range(groups):
+                first, step, low = 2 * g * half, scale_min[2 * g], scale_min[2 * g + 1]
+                for j in range(half):
+                    low_nibble, high_nibble = nibbles(src[g * half + j])
+                    dst[first + j] = low_nibble * step + low
+                    dst[first + half + j] = high_nibble * step + low
+        else:
+            src, bits = q[e, 0, r], dst.view(np.int32)
+            for k in range(n):
+                bits[k] = e4m3_bits(src[k])
+            for cb in range(scale.shape[2]):
+                block_scale = scale[e, r // FP8_BLOCK, cb] * E4M3_SCALE
+                for k in range(cb * FP8_BLOCK, min(n, cb * FP8_BLOCK + FP8_BLOCK)):
+                    dst[k] *= block_scale
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)

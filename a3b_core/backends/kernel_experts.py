@@ -4,8 +4,9 @@ Decoding multiplies each of a token's top-k experts by one row. As torch calls t
 layer, each with a fixed cost, and torch's weight-only int8 kernel reads its matrix at about half the memory
 bandwidth. The kernel computes the layer's whole routed step of a decoding step (one row per sequence: gate/up rows,
 SiLU(gate) * up, down rows, the routing-weighted sum) in one call, reading each chosen expert once, its output rows
-split over torch's thread count; bench/expert_step.py measures both. Prefill keeps the store's own torch products:
-there the products are matrix-matrix and already efficient. The choice is made per step kind, not per row count, so
+split over torch's thread count; bench/expert_step.py measures both. Prefill multiplies matrices with torch's fp32
+product (efficient there), each quantised expert dequantised by a kernel (`dequantized`; 1 weight per ns in torch's
+operations against ~10 in the kernel on an AVX2 EPYC). The choice is made per step kind, not per row count, so
 that a sequence decodes to the same tokens whatever batch it is in (a row's result from the kernel does not depend
 on the other rows, while a prefill's path would then depend on how many rows a batch's last chunk has).
 
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .experts import CpuFloatExperts, QuantizedExperts
+from .products import bf16_matmul_is_native
 
 KERNEL_FORMATS = ("int8", "int4", "fp8")  # the quantised stores swapped; bf16 CpuFloatExperts are swapped too
 FORMAT_CODES = {"int8": 0, "fp8": 1, "bf16": 2, "int4": 3}  # cpu_kernels.INT8, FP8, BF16, INT4
@@ -80,8 +82,8 @@ def plain_cpu(*tensors: torch.Tensor) -> bool:
 
 
 def check_kernels(kernels: ModuleType) -> None:
-    """One routed step of two rows on tiny int8 and int4 experts, and on the int8 ones in bf16 (the kernel's two
-    compiled signatures), equals the same step in fp64."""
+    """One routed step of two rows on tiny int8 and int4 experts, and on the int8 ones in bf16 (the kernels' three
+    compiled signatures), equals the same step in fp64; the int8 and int4 experts dequantise to their own weights."""
     g = torch.Generator().manual_seed(0)
     matrices = [(torch.randn(64, 64, generator=g), torch.randn(64, 32, generator=g)) for _ in range(4)]
     stores = [QuantizedExperts(fmt, 4, 64, 32) for fmt in ("int8", "int4")]
@@ -103,6 +105,11 @@ def check_kernels(kernels: ModuleType) -> None:
                 want[t] += w * matrix(store.down_proj, e).double() @ (F.silu(gate) * up)
         if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()):
             raise ValueError("the kernel's result differs from the reference")
+    for store in stores[:2]:
+        stack = store.gate_up_proj
+        weight = dequantized(kernels, FORMAT_CODES[store.fmt], kernel_arrays(store.fmt, stack), stack.shape[1:], 1)
+        if not torch.equal(weight, stack.dequantize(1)):
+            raise ValueError("the dequantising kernel's matrix differs from the store's")
 
 
 def matrix(stack: nn.Module | torch.Tensor, e: int) -> torch.Tensor:
@@ -127,10 +134,11 @@ def kernel_arrays(fmt: str, stack: nn.Module | torch.Tensor) -> tuple[np.ndarray
 
 class KernelMatrices(nn.Module):
     """One fused matrix stack of a layer's experts as the kernel reads it: the store's tensors under the names `q`
-    and `scale` (None for bf16), and their numpy views `arrays` (kernel_arrays)."""
+    and `scale` (None for bf16), their numpy views `arrays` (kernel_arrays), and `shape` (E, out, in)."""
 
     def __init__(self, fmt: str, stack: nn.Module | torch.Tensor):
         super().__init__()
+        self.shape = tuple(stack.shape)
         if fmt == "bf16":  # the float experts' tensor, registered as a buffer as the quantised stores' are
             self.register_buffer("q", stack.data, persistent=False)
             self.scale = None
@@ -146,8 +154,9 @@ class KernelMatrices(nn.Module):
 
 
 class KernelExperts(nn.Module):
-    """A layer's int8, int4, FP8 or bf16 routed experts on the CPU whose decoding step is one kernel call (`routed_step`);
-    `gate_up(e, x)` / `down(e, x)` serve prefill through the store's own products."""
+    """A layer's int8, int4, FP8 or bf16 routed experts on the CPU whose decoding step is one kernel call
+    (`routed_step`); `gate_up(e, x)` / `down(e, x)` serve prefill: a quantised expert dequantised by the kernel and
+    torch's product (many_rows_product), bf16 experts and rows without data through the store's own products."""
 
     def __init__(self, store: QuantizedExperts | CpuFloatExperts, kernels: ModuleType):
         super().__init__()
@@ -155,7 +164,19 @@ class KernelExperts(nn.Module):
         self.gate_up_proj = KernelMatrices(self.fmt, store.gate_up_proj)
         self.down_proj = KernelMatrices(self.fmt, store.down_proj)
         self.inter = store.down_proj.shape[2]
-        self.gate_up, self.down = store.gate_up, store.down
+        self.store_products = {"gate_up": store.gate_up, "down": store.down}
+
+    def gate_up(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.product("gate_up", self.gate_up_proj, e, x)
+
+    def down(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.product("down", self.down_proj, e, x)
+
+    def product(self, which: str, matrices: KernelMatrices, e: int, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt == "bf16" or not plain_cpu(x):
+            return self.store_products[which](e, x)
+        weight = dequantized(self.kernels, FORMAT_CODES[self.fmt], matrices.arrays, matrices.shape[1:], e)
+        return many_rows_product(x, weight)
 
     @property
     def device(self) -> torch.device:
@@ -174,6 +195,24 @@ class KernelExperts(nn.Module):
                                      *self.down_proj.arrays, x.detach().float().contiguous().numpy(),
                                      top_i.contiguous().numpy(), top_p.detach().float().contiguous().numpy(), out)
         return torch.from_numpy(out).to(x.dtype)
+
+
+def dequantized(kernels: ModuleType, code: int, arrays: tuple[np.ndarray, np.ndarray], shape: tuple[int, int],
+                e: int) -> torch.Tensor:
+    """Matrix e [out, in] of a quantised stack's kernel arrays (kernel_arrays), in fp32."""
+    out = torch.empty(shape)
+    with LOCK:
+        set_threads(kernels)
+        kernels.dequantize(code, *arrays, e, out.numpy())
+    return out
+
+
+def many_rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T (weight a dequantised fp32 matrix) in x's dtype: in fp32 from the exact weights, or in bf16 where
+    oneDNN multiplies bf16 (CPUs with AVX-512 bf16, where that is the faster product)."""
+    if x.dtype == torch.bfloat16 and bf16_matmul_is_native():
+        return F.linear(x, weight.bfloat16())
+    return F.linear(x.float(), weight).to(x.dtype)
 
 
 def swap_in_kernels(text: nn.Module) -> None:

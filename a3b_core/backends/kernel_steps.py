@@ -27,8 +27,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dense import QuantizedLinear
-from .kernel_experts import FORMAT_CODES, KERNEL_FORMATS, LOCK, compiled_kernels, kernel_arrays, kernels_enabled, \
-    plain_cpu, set_threads
+from .kernel_experts import FORMAT_CODES, KERNEL_FORMATS, LOCK, compiled_kernels, dequantized, kernel_arrays, \
+    kernels_enabled, many_rows_product, plain_cpu, set_threads
 from .products import GEMV_MAX_ROWS, CpuLinear, FusedLinear
 
 BF16_KERNEL_MIN_ROWS = 1024
@@ -37,20 +37,24 @@ BF16_KERNEL_MIN_ROWS = 1024
 class DenseKernel:
     """A dense matrix's product with few rows by the numba kernel (cpu_kernels.matrix_rows), for the CpuLinear,
     FusedLinear or QuantizedLinear that holds the matrix and calls it (not a module: the matrix stays its owner's).
-    Rows are summed in fp32 from the exact weights and rounded once to the input's dtype."""
+    Rows are summed in fp32 from the exact weights and rounded once to the input's dtype. A quantised matrix's
+    products of more rows take its kernel-dequantised weights and torch's product, as the routed experts' do."""
 
     def __init__(self, fmt: str, stack: nn.Module | torch.Tensor, kernels: ModuleType):
         self.code, self.kernels = FORMAT_CODES[fmt], kernels
         self.arrays = kernel_arrays(fmt, stack)
-        self.out_features = self.arrays[0].shape[2]
+        self.quantised = fmt != "bf16"
+        self.shape = tuple(stack.shape[1:])  # (out, in)
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether the kernel computes this product: few rows, a plain CPU tensor."""
-        return x.numel() <= GEMV_MAX_ROWS * x.shape[-1] and plain_cpu(x)
+        """Whether the kernel computes this product: a plain CPU tensor of few rows, or of any rows when quantised."""
+        return (self.quantised or x.numel() <= GEMV_MAX_ROWS * x.shape[-1]) and plain_cpu(x)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.numel() > GEMV_MAX_ROWS * x.shape[-1]:  # quantised (takes): no bias
+            return many_rows_product(x, dequantized(self.kernels, self.code, self.arrays, self.shape, 0))
         rows = x.detach().float().reshape(-1, x.shape[-1]).contiguous().numpy()
-        out = torch.empty(*x.shape[:-1], self.out_features)
+        out = torch.empty(*x.shape[:-1], self.shape[0])
         with LOCK:
             set_threads(self.kernels)
             self.kernels.matrix_rows(self.code, *self.arrays, rows, out.view(len(rows), -1).numpy())
