@@ -4,11 +4,11 @@
     python bench/expert_step.py --rows 4 --formats int8
 
 The bench model's shapes (hidden 1024, moe_intermediate 512, 64 experts, top-8) with 16 layers of random weights in
-their own memory (copies of one layer: far more than the L3 cache holds), each step a random routing on the next
-layer, run through the model's own RoutedExperts.routed_experts with the store as loading makes it without numba
-(torch; int4 in torch's packing) and with its KernelExperts swap (numba). Rounds interleave the two; each format's medians are printed as soon as it is done,
-with the weight bytes a step reads per second (the experts its rows pick between them, in expectation), next to the
-memory bandwidth measured in the same run (roofline.py: 1 GiB fp32 sum).
+their own memory (copies of one layer: far more than the L3 cache holds), each step a random routing on the next layer,
+run through the model's own RoutedExperts.routed_experts with the store as loading makes it without numba (torch; int4
+in torch's packing) and with its KernelExperts swap (numba). Rounds interleave the two; each format's medians are
+printed as soon as it is done, with the weight bytes a step reads per second (the experts its rows pick between them, in
+expectation), next to the memory bandwidth measured in the same run (roofline.py: 1 GiB fp32 sum).
 """
 from __future__ import annotations
 

@@ -66,8 +66,8 @@ class A3BModelLoader(io.ComfyNode):
                                        "memory of bf16 (about 1.8 GB less for the 35B), int4 in about a quarter "
                                        "(about 2.6 GB less), at a small (int8) or clear (int4) accuracy cost; routers "
                                        "and embeddings stay bf16. Measured on a 2-core CPU with numba (int8 / int4 "
-                                       "experts alike): int8 decodes ~1.4x and int4 ~1.2x as fast as bf16, prefill "
-                                       "~0.9x. Not for dense parts on a GPU."),
+                                       "experts alike): int8 decodes ~1.5x and int4 ~1.3x as fast as bf16, prefill "
+                                       "~1.1-1.2x. Not for dense parts on a GPU."),
             ],
             outputs=[ModelWire.Output(display_name="model", tooltip="The loaded model, for Image Encode and "
                                                                    "Generate.")],

@@ -9,8 +9,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from a3b_core import load_model
 from a3b_core.backends.experts import CpuFloatExperts, QuantizedExperts
-from a3b_core.backends.kernel_experts import FORMAT_CODES, KernelExperts, compiled_kernels, dequantized, kernels_enabled, \
-    matrix, swap_in_kernels
+from a3b_core.backends.kernel_experts import FORMAT_CODES, KernelExperts, compiled_kernels, dequantized, \
+    kernels_enabled, matrix, swap_in_kernels
 from a3b_core.models.layers import RoutedExperts
 from tests.fake_cuda import FakeCuda
 

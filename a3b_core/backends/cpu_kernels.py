@@ -2,15 +2,15 @@
 compiled call, a dense matrix's product with a few rows, a quantised matrix dequantised (for products of many rows),
 and a Gated DeltaNet layer's decoding step.
 
-Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row
-in loops over its contiguous bytes that LLVM vectorises (int8: converted as they are summed, the sum times the row's
-scale; int4: a group's low and high nibbles summed against the group's two halves, times the group's scale, plus its
-minimum times the activations' group sum; FP8 e4m3 and bf16: turned into fp32 by shifting bits, with no table, FP8's
-128-column block sums times their block's scale); a parallel work item reads a block of consecutive rows of one expert, so the weights stream from
-memory in long runs. A chosen expert's rows are read once per call however many activation rows routed to it (the
-repeats hit the cache), and each row's result is the same whatever other rows share the call (batches decode as
-their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32 rounding of a sum, far
-below the formats' own.
+Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row in
+loops over its contiguous bytes that LLVM vectorises (int8: converted as they are summed, the sum times the row's scale;
+int4: a group's low and high nibbles summed against the group's two halves, times the group's scale, plus its minimum
+times the activations' group sum; FP8 e4m3 and bf16: turned into fp32 by shifting bits, with no table, FP8's 128-column
+block sums times their block's scale); a parallel work item reads a block of consecutive rows of one expert, so the
+weights stream from memory in long runs. A chosen expert's rows are read once per call however many activation rows
+routed to it (the repeats hit the cache), and each row's result is the same whatever other rows share the call (batches
+decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32 rounding of a sum,
+far below the formats' own.
 
 Arrays (all C-contiguous, so three compiled signatures of each kernel serve the four formats, each compiled once
 per machine; a dense matrix is held as one expert):

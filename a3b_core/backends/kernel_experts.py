@@ -5,17 +5,18 @@ layer, each with a fixed cost, and torch's weight-only int8 kernel reads its mat
 bandwidth. The kernel computes the layer's whole routed step of a decoding step (one row per sequence: gate/up rows,
 SiLU(gate) * up, down rows, the routing-weighted sum) in one call, reading each chosen expert once, its output rows
 split over torch's thread count; bench/expert_step.py measures both. Prefill multiplies matrices with torch's fp32
-product (efficient there), each quantised expert dequantised by a kernel (`dequantized`; 1 weight per ns in torch's
-operations against ~10 in the kernel on an AVX2 EPYC). The choice is made per step kind, not per row count, so
-that a sequence decodes to the same tokens whatever batch it is in (a row's result from the kernel does not depend
-on the other rows, while a prefill's path would then depend on how many rows a batch's last chunk has).
+product (efficient there), each quantised expert dequantised by a kernel (`dequantized`: 6-8 G weights/s for int8
+and int4, 2-3 for FP8, against 0.15-0.3 in torch's operations on an AVX2 EPYC). The choice is made per step kind,
+not per row count, so that a sequence decodes to the same tokens whatever batch it is in (a row's result from the
+kernel does not depend on the other rows, while a prefill's path would then depend on how many rows a batch's last
+chunk has).
 
 Applied at load by prepare_cpu as a module swap of CPU expert stores in int8, int4 (experts.quantize_int4's layout,
 made for this kernel), FP8 (as released: 128x128 block scales, decoded in the kernel by shifting bits, so FP8
 checkpoints need no converted cache) and bf16, reading the store's tensors as they are. bf16 experts are summed in
 fp32 from their exact weights (torch's bf16 products round the activations to bf16), and the kernel saves torch's
-per-expert calls: in bench/expert_step.py its step ran 1.34x as fast as torch's products for one row, 1.79x for
-four. fp32 experts (the reference path) keep torch's products.
+per-expert calls: in bench/expert_step.py its step ran 1.17-1.34x as fast as torch's products for one row,
+1.8x for four. fp32 experts (the reference path) keep torch's products.
 
 numba compiles the kernel on first use and keeps it in its on-disk cache: in this package's __pycache__ when that is
 writable, else in the user's cache directory (numba's own choice; NUMBA_CACHE_DIR overrides it). Nothing is swapped,

@@ -1,13 +1,13 @@
 """Decoding work other than the routed experts computed by the numba kernels (cpu_kernels.py), attached at load to
-the modules that call them: a dense matrix's product with a few rows, and a Gated DeltaNet layer's token step.
+the modules that call them: a dense matrix's product with a few rows (a quantised matrix's products of more rows take
+its kernel-dequantised weights), and a Gated DeltaNet layer's token step.
 
 A decoding step of the text model is mostly small products and many small torch calls, each with a fixed cost.
 - Dense products of up to GEMV_MAX_ROWS rows, those of decoding (QuantizedLinear in int8 and int4; CpuLinear and
-  FusedLinear in bf16): torch's weight-only int8 kernel took 2-2.5x the kernel's time at every size from 64 to 1024 rows (1024
-  inputs, 2 threads, an AVX2 EPYC). bf16 is summed as torch's matrix-vector kernel does (fp32 sums of the exact
-  weights, rounded once), and the kernel only pays from about BF16_KERNEL_MIN_ROWS rows on (1024 rows: 141 against
-  163 us; 512 rows: 99 against 88 us): smaller bf16 matrices (routers, gates, small projections) keep torch's
-  product.
+  FusedLinear in bf16): torch's weight-only int8 kernel took 2-2.5x the kernel's time at every size from 64 to 1024 rows
+  (1024 inputs, 2 threads, an AVX2 EPYC). bf16 is summed as torch's matrix-vector kernel does (fp32 sums of the exact
+  weights, rounded once), and the kernel only pays from about BF16_KERNEL_MIN_ROWS rows on (1024 rows: 141 against 163
+  us; 512 rows: 99 against 88 us): smaller bf16 matrices (routers, gates, small projections) keep torch's product.
 - A Gated DeltaNet layer's step from its input projections to its gated norm (the conv's step, the L2 norms, the
   delta rule on the fp32 state, the gated RMSNorm): about 40 torch calls become one.
 Both compute in fp32 (the DeltaNet step is the fp32 computation itself; torch's bf16 path rounds its intermediates to
