@@ -22,7 +22,7 @@ from torch import nn
 from .. import devices
 from ..checkpoint import dequantize_fp8
 from ..errors import PlacementError
-from .products import linear
+from .products import linear, many_rows_product
 
 FP8_BLOCK = 128
 CONVERTED_FORMATS = ("int8", "int4")  # converted once at load and cached; FP8 is kept as released
@@ -126,8 +126,8 @@ class QuantizedStack(nn.Module):
                 return out
             if self.fmt == "int8":  # many rows (prefill): dequantise once, one bf16 product
                 return linear(x.to(torch.bfloat16), self.int8_matrix(e) * self.scale[e][:, None])  # int8 * bf16: bf16
-            if self.fmt == "int4":  # the kernels' layout: dequantised, an fp32 product of the exact weights
-                return F.linear(x.float(), self.dequantize(e)).to(x.dtype)
+            if self.fmt == "int4":  # the kernels' layout, without them: dequantised, then one product
+                return many_rows_product(x, self.dequantize(e))
         compute = torch.bfloat16 if x.dtype == torch.float32 and self.fmt != "fp8" else x.dtype
         return linear(x.to(compute), self.dequantize(e, compute)).to(x.dtype)
 
@@ -189,7 +189,6 @@ def dequantize_int4(packed: torch.Tensor, scale_min: torch.Tensor, dtype: torch.
     """quantize_int4's matrix [out, in] in `dtype` (each weight one fp32 multiply-add, rounded to it once)."""
     out, groups = scale_min.shape[:2]
     values = int4_values(packed, 2 * packed.shape[1] // groups).view(out, groups, -1)
-    scale_min = scale_min.to(device=packed.device, dtype=torch.float32)
     return torch.addcmul(scale_min[..., 1:], values.float(), scale_min[..., :1]).view(out, -1).to(dtype)
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .experts import CpuFloatExperts, QuantizedExperts
-from .products import bf16_matmul_is_native
+from .products import many_rows_product
 
 KERNEL_FORMATS = ("int8", "int4", "fp8")  # the quantised stores swapped; bf16 CpuFloatExperts are swapped too
 FORMAT_CODES = {"int8": 0, "fp8": 1, "bf16": 2, "int4": 3}  # cpu_kernels.INT8, FP8, BF16, INT4
@@ -206,14 +206,6 @@ def dequantized(kernels: ModuleType, code: int, arrays: tuple[np.ndarray, np.nda
         set_threads(kernels)
         kernels.dequantize(code, *arrays, e, out.numpy())
     return out
-
-
-def many_rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T (weight a dequantised fp32 matrix) in x's dtype: in fp32 from the exact weights, or in bf16 where
-    oneDNN multiplies bf16 (CPUs with AVX-512 bf16, where that is the faster product)."""
-    if x.dtype == torch.bfloat16 and bf16_matmul_is_native():
-        return F.linear(x, weight.bfloat16())
-    return F.linear(x.float(), weight).to(x.dtype)
 
 
 def swap_in_kernels(text: nn.Module) -> None:

@@ -28,8 +28,8 @@ from torch import nn
 
 from .dense import QuantizedLinear
 from .kernel_experts import FORMAT_CODES, KERNEL_FORMATS, LOCK, compiled_kernels, dequantized, kernel_arrays, \
-    kernels_enabled, many_rows_product, plain_cpu, set_threads
-from .products import GEMV_MAX_ROWS, CpuLinear, FusedLinear
+    kernels_enabled, plain_cpu, set_threads
+from .products import GEMV_MAX_ROWS, CpuLinear, FusedLinear, many_rows_product
 
 BF16_KERNEL_MIN_ROWS = 1024
 

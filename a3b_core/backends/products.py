@@ -1,5 +1,6 @@
 """The text model's matrix products on the CPU: bf16 products of one or two rows as matrix-vector products, larger
-bf16 products in fp32 where the CPU has no bf16 matrix kernel, and input projections fused into one matrix.
+bf16 products in fp32 where the CPU has no bf16 matrix kernel, products of many rows with a dequantised matrix, and
+input projections fused into one matrix.
 
 Where the CPU has AVX-512 bf16, torch hands every bf16 matmul to oneDNN, whose kernel for a single input row reads
 the matrix more slowly than torch's own bf16 matrix-vector kernel (fp32 accumulation), which runs near the memory
@@ -46,6 +47,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
         return (out if bias is None else out + bias.float()).to(torch.bfloat16)
     return F.linear(x, weight, bias)
+
+
+def many_rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight^T (weight a dequantised fp32 matrix) in x's dtype: in fp32 from the exact weights, or in bf16 where
+    oneDNN multiplies bf16 (CPUs with AVX-512 bf16, where that is the faster product)."""
+    if x.dtype == torch.bfloat16 and bf16_matmul_is_native():
+        return F.linear(x, weight.bfloat16())
+    return F.linear(x.float(), weight).to(x.dtype)
 
 
 class CpuLinear(nn.Module):
