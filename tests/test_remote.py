@@ -28,7 +28,7 @@ REQUEST = "Describe the image."
 GREEDY = {"max_new_tokens": 160, "temperature": 0.0, "top_p": 0.8, "top_k": 20, "min_p": 0.0, "presence_penalty": 0.0,
           "repetition_penalty": 1.0, "seed": 7}
 PIXEL_IMAGES = sorted(INPUTS.glob("a3b_pixel_*.png"))
-ANGLE_IMAGES = sorted(INPUTS.parent.glob("a3b_angle_*.png"))  # the multi-angle workflow's inputs
+VIEW_IMAGES = sorted(INPUTS.parent.glob("a3b_view_*.png"))  # the multi-view workflow's inputs
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def image_batch(paths) -> torch.Tensor:
 def test_a_remote_image_carries_the_pixels_the_local_engine_encodes(demo, resize, size):
     rng = np.random.default_rng(0)
     odd = rng.integers(0, 256, (90, 150, 4), dtype=np.uint8)  # RGBA, neither square nor a multiple of 32
-    for image in (odd, ANGLE_IMAGES[0], image_batch(PIXEL_IMAGES[:1])):
+    for image in (odd, VIEW_IMAGES[0], image_batch(PIXEL_IMAGES[:1])):
         remote = RemoteModel("http://127.0.0.1:9/v1", "m").encode_images(image, size=size, resize=resize)
         (url,) = remote.urls
         assert url.startswith("data:image/png;base64,")
@@ -91,7 +91,7 @@ def test_the_node_path_gives_the_local_answers_greedy(remote, demo):
     cases = [
         (PromptSpec(user=REQUEST, images=image_batch(PIXEL_IMAGES)), PER_IMAGE),
         (PromptSpec(user="[[IMG]]\nCaption this view.", system="You caption views.",
-                    images=image_batch(ANGLE_IMAGES)), PER_IMAGE),
+                    images=image_batch(VIEW_IMAGES)), PER_IMAGE),
         (PromptSpec(user="Write a 4-panel comic storyboard.", system="You are a storyboard artist."), SINGLE),
         (PromptSpec(user=REQUEST, images=image_batch(PIXEL_IMAGES[:2]), thinking=True), SINGLE),
     ]

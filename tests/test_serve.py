@@ -27,7 +27,7 @@ MODEL = "a3b-demo"
 REQUEST = "Describe the image."  # what the demo model was trained to answer
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 PIXEL_IMAGES = sorted(INPUTS.glob("a3b_pixel_*.png"))
-ANGLE_IMAGES = sorted(INPUTS.parent.glob("a3b_angle_*.png"))  # the multi-angle workflow's inputs
+VIEW_IMAGES = sorted(INPUTS.parent.glob("a3b_view_*.png"))  # the multi-view workflow's inputs
 
 
 @pytest.fixture(scope="module")
@@ -168,7 +168,7 @@ def test_each_sampler_value_acts_as_in_the_local_engine(client, demo, options, l
 
 
 def test_eight_concurrent_streams_are_batched_and_each_is_right(served, client, demo):
-    requests = [(REQUEST, [path]) for path in PIXEL_IMAGES + ANGLE_IMAGES] + [(REQUEST, [])]
+    requests = [(REQUEST, [path]) for path in PIXEL_IMAGES + VIEW_IMAGES] + [(REQUEST, [])]
     assert len(requests) == 8
     expected = [local_answer(demo, text, images).text for text, images in requests]
     log_before = len(served.log_text())

@@ -1,25 +1,24 @@
-"""The pixel-art pictures shipped with the workflows are exactly the generator scenes whose captions the tests expect;
-the shipped clip is the generator's red circle."""
+"""The pictures shipped with the workflows (pixel art, the multi-view scene) are exactly the generator scenes whose
+captions the tests expect; the shipped clip is the generated red circle."""
 import random
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from a3b_core.demo.dataset import draw, parse_caption
 from a3b_core.video import read_video
-from tests.integration import video_inputs
-from tests.integration.pixel_art_inputs import INPUTS, SCENES, expected_captions
+from tests.integration import pixel_art_inputs, video_inputs, view_inputs
 
 
-def test_shipped_pixel_art_is_the_generator_output():
-    for index, (name, scene) in enumerate(SCENES.items()):
-        shipped = np.asarray(Image.open(INPUTS / name).convert("RGB"))
+@pytest.mark.parametrize("inputs, scenes", [(pixel_art_inputs, pixel_art_inputs.SCENES),
+                                            (view_inputs, view_inputs.VIEWS)], ids=["pixel art", "views"])
+def test_shipped_pictures_are_the_generator_output(inputs, scenes):
+    for index, (name, scene) in enumerate(scenes.items()):
+        shipped = np.asarray(Image.open(inputs.INPUTS / name).convert("RGB"))
         assert np.array_equal(shipped, np.asarray(draw(scene, random.Random(index)))), name
-
-
-def test_expected_captions_follow_the_demo_grammar():
-    for name, caption in expected_captions().items():
-        assert parse_caption(caption) == SCENES[name]
+    for name, caption in inputs.expected_captions().items():
+        assert parse_caption(caption) == scenes[name]
 
 
 def test_shipped_clip_is_the_generated_circle():

@@ -13,9 +13,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+from a3b_core.demo.dataset import CAPTION_PROMPT
 from tests.integration.comfy_server import NODE_MODULES, REPO, comfyui_missing_reason, prepare_base, start_server
 from tests.integration.pixel_art_inputs import DATASET as PIXEL_ART_DATASET
 from tests.integration.video_inputs import CLIP_NAME
+from tests.integration.view_inputs import VIEWS
 
 WORKFLOWS = REPO / "workflows"
 
@@ -83,12 +85,12 @@ def _captioning(names: list[str], system: str, user: str, size: int, captions: d
     }
 
 
+# The three views are scenes of the demo model's generator and the request is the demo model's own (its folder's
+# a3b_caption_prompt), so the workflow gives the right captions with "a3b-demo".
 MULTI_ANGLE_CAPTIONING = _captioning(
-    ["a3b_angle_front.png", "a3b_angle_side.png", "a3b_angle_back.png"],
-    system="You caption multi-view character sheets for a training dataset. Every caption names the view and "
-           "describes the character the same way, so the views stay consistent.",
-    user="[[IMG]]\nCaption this view in one sentence. Start with the view (front view, side view, back view or "
-         "three-quarter view), then describe the character: hair, clothes, colors, pose.",
+    list(VIEWS),
+    system="",
+    user=CAPTION_PROMPT,
     size=384,
     captions={"subfolder": "a3b_captions/multi_angle", "if_exists": "overwrite"},
 )

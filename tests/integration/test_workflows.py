@@ -9,6 +9,7 @@ from tests.integration.comfy_server import ComfyServer
 from tests.integration.conftest import (BROKEN_MODEL, TEST_MAX_NEW_TOKENS, caption_file_names, error_message,
                                         load_api_workflow)
 from tests.integration.pixel_art_inputs import expected_captions
+from tests.integration.view_inputs import expected_captions as expected_view_captions
 
 pytestmark = pytest.mark.comfyui
 
@@ -73,6 +74,18 @@ def test_pixel_art_workflow_as_shipped_captions_its_folder_on_the_demo_model(com
     assert entry["outputs"][preview]["text"] == [expected[name].strip() for name in sorted(expected)]
     (caption,) = _nodes(graph, "A3BCaptionFolder")
     assert entry["outputs"][caption]["a3b_saved"] == ["4 written"]
+
+
+def test_multi_view_workflow_as_shipped_captions_each_view_on_the_demo_model(comfy: ComfyServer) -> None:
+    graph = load_api_workflow("multi_angle_captioning", model="a3b-demo")
+    entry = comfy.run(graph)
+    _succeeded(comfy, entry)
+    (generate,) = _nodes(graph, "A3BGenerate")
+    expected = expected_view_captions()
+    assert entry["outputs"][generate]["a3b_answer"] == list(expected.values())
+    (save,) = _nodes(graph, "A3BSaveCaptions")
+    folder = comfy.output_dir / graph[save]["inputs"]["subfolder"]
+    assert {name: (folder / name.replace(".png", ".txt")).read_text().strip() for name in expected} == expected
 
 
 def test_the_folder_node_skips_captioned_images_on_a_rerun(comfy: ComfyServer) -> None:
