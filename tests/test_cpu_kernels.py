@@ -115,8 +115,21 @@ def test_prefill_multiplies_the_stores_own_weights(fmt, one_thread):
     assert relative_error(got, fp64_step(store, x, top_i, top_p)) < EXACT_BOUND
     for matrices, stack in ((kernel.gate_up_proj, store.gate_up_proj), (kernel.down_proj, store.down_proj)):
         for e in range(EXPERTS):
-            weight = dequantized(compiled_kernels(), FORMAT_CODES[fmt], matrices.arrays, matrices.shape[1:], e)
-            assert torch.equal(weight, stack.dequantize(e))
+            for dtype in (torch.float32, torch.bfloat16):
+                weight = dequantized(compiled_kernels(), FORMAT_CODES[fmt], matrices.arrays, matrices.shape[1:], e,
+                                     dtype)
+                assert torch.equal(weight, stack.dequantize(e).to(dtype))
+
+
+def test_bf16_dequantising_rounds_as_torch_does():
+    """Weights k * (1 + 2^-8) for every int8 k, negative ones too: those of k = ±1 and ±2 lie exactly halfway between
+    two bf16 values, where torch rounds to the even one."""
+    q = torch.arange(-127, 128, dtype=torch.int8).repeat(3, 1)  # [rows, in]
+    scale = torch.full((1, 3, 1), 1 + 2 ** -8)
+    out = torch.empty(3, 255, dtype=torch.bfloat16)
+    compiled_kernels().dequantize_bf16(FORMAT_CODES["int8"], q.numpy()[None, None], scale.numpy(), 0,
+                                       out.view(torch.int16).numpy())
+    assert torch.equal(out, (q.float() * scale[0]).bfloat16())
 
 
 def kernel_stores(model) -> int:

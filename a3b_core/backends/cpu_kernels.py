@@ -202,36 +202,59 @@ def matrix_rows(fmt, q, scale, x, out):
                 out[t, r] = row_dot(fmt, q, scale, 0, r, x[t], sums[t], bits)
 
 
+@njit(cache=True, fastmath=FAST, inline="always")
+def dequantize_row(fmt, q, scale, e, r, dst):
+    """Row r of expert e's int8, int4 or FP8 matrix in fp32 (scales applied) into dst [in]."""
+    n = dst.shape[0]
+    if fmt == INT8:
+        width, row_scale = q.shape[3], scale[e, r, 0]
+        for c in range(q.shape[1]):
+            src = q[e, c, r]
+            for j in range(width):
+                dst[c * width + j] = np.float32(src[j]) * row_scale
+    elif fmt == INT4:
+        src, scale_min = q[e, 0, r], scale[e, r]
+        groups = scale.shape[2] // 2
+        half = src.shape[0] // groups
+        for g in range(groups):
+            first, step, low = 2 * g * half, scale_min[2 * g], scale_min[2 * g + 1]
+            for j in range(half):
+                low_nibble, high_nibble = nibbles(src[g * half + j])
+                dst[first + j] = low_nibble * step + low
+                dst[first + half + j] = high_nibble * step + low
+    else:
+        src, bits = q[e, 0, r], dst.view(np.int32)
+        for k in range(n):
+            bits[k] = e4m3_bits(src[k])
+        for cb in range(scale.shape[2]):
+            block_scale = scale[e, r // FP8_BLOCK, cb] * E4M3_SCALE
+            for k in range(cb * FP8_BLOCK, min(n, cb * FP8_BLOCK + FP8_BLOCK)):
+                dst[k] *= block_scale
+
+
 @njit(cache=True, fastmath=FAST, parallel=True)
 def dequantize(fmt, q, scale, e, out):
     """Expert e's int8, int4 or FP8 matrix in fp32 (scales applied) into out [rows, in], rows in parallel."""
+    for r in prange(out.shape[0]):
+        dequantize_row(fmt, q, scale, e, r, out[r])
+
+
+@njit(cache=True, fastmath=FAST, parallel=True)  # fastmath as dequantize's: the same fp32 weights; rounding is integer
+def dequantize_bf16(fmt, q, scale, e, out):
+    """Expert e's matrix as dequantize computes it, each weight then rounded to bf16 to the nearest even (as torch
+    rounds fp32 to bf16), into out int16 [rows, in] (bf16 bit patterns): torch's bf16 product reads it with no
+    conversion of its own. A work item is a block of rows, one fp32 row at a time."""
     rows, n = out.shape
-    for r in prange(rows):
-        dst = out[r]
-        if fmt == INT8:
-            width, row_scale = q.shape[3], scale[e, r, 0]
-            for c in range(q.shape[1]):
-                src = q[e, c, r]
-                for j in range(width):
-                    dst[c * width + j] = np.float32(src[j]) * row_scale
-        elif fmt == INT4:
-            src, scale_min = q[e, 0, r], scale[e, r]
-            groups = scale.shape[2] // 2
-            half = src.shape[0] // groups
-            for g in range(groups):
-                first, step, low = 2 * g * half, scale_min[2 * g], scale_min[2 * g + 1]
-                for j in range(half):
-                    low_nibble, high_nibble = nibbles(src[g * half + j])
-                    dst[first + j] = low_nibble * step + low
-                    dst[first + half + j] = high_nibble * step + low
-        else:
-            src, bits = q[e, 0, r], dst.view(np.int32)
+    blocks = (rows + ROW_BLOCK - 1) // ROW_BLOCK
+    for b in prange(blocks):
+        row = np.empty(n, np.float32)
+        bits = row.view(np.int32)
+        for r in range(b * ROW_BLOCK, min(rows, b * ROW_BLOCK + ROW_BLOCK)):
+            dequantize_row(fmt, q, scale, e, r, row)
+            dst = out[r]
             for k in range(n):
-                bits[k] = e4m3_bits(src[k])
-            for cb in range(scale.shape[2]):
-                block_scale = scale[e, r // FP8_BLOCK, cb] * E4M3_SCALE
-                for k in range(cb * FP8_BLOCK, min(n, cb * FP8_BLOCK + FP8_BLOCK)):
-                    dst[k] *= block_scale
+                value = np.int64(bits[k])
+                dst[k] = np.int16(((value + 0x7FFF + ((value >> 16) & 1)) >> 16) & 0xFFFF)
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)

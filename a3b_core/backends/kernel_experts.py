@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .experts import CpuFloatExperts, QuantizedExperts
-from .products import many_rows_product
+from .products import many_rows_product, many_rows_weight_dtype
 
 KERNEL_FORMATS = ("int8", "int4", "fp8")  # the quantised stores swapped; bf16 CpuFloatExperts are swapped too
 FORMAT_CODES = {"int8": 0, "fp8": 1, "bf16": 2, "int4": 3}  # cpu_kernels.INT8, FP8, BF16, INT4
@@ -84,7 +84,8 @@ def plain_cpu(*tensors: torch.Tensor) -> bool:
 
 def check_kernels(kernels: ModuleType) -> None:
     """One routed step of two rows on tiny int8 and int4 experts, and on the int8 ones in bf16 (the kernels' three
-    compiled signatures), equals the same step in fp64; the int8 and int4 experts dequantise to their own weights."""
+    compiled signatures), equals the same step in fp64; the int8 and int4 experts dequantise to their own weights, in
+    fp32 and rounded to bf16."""
     g = torch.Generator().manual_seed(0)
     matrices = [(torch.randn(64, 64, generator=g), torch.randn(64, 32, generator=g)) for _ in range(4)]
     stores = [QuantizedExperts(fmt, 4, 64, 32) for fmt in ("int8", "int4")]
@@ -108,9 +109,11 @@ def check_kernels(kernels: ModuleType) -> None:
             raise ValueError("the kernel's result differs from the reference")
     for store in stores[:2]:
         stack = store.gate_up_proj
-        weight = dequantized(kernels, FORMAT_CODES[store.fmt], kernel_arrays(store.fmt, stack), stack.shape[1:], 1)
-        if not torch.equal(weight, stack.dequantize(1)):
-            raise ValueError("the dequantising kernel's matrix differs from the store's")
+        for dtype in (torch.float32, torch.bfloat16):
+            weight = dequantized(kernels, FORMAT_CODES[store.fmt], kernel_arrays(store.fmt, stack), stack.shape[1:],
+                                 1, dtype)
+            if not torch.equal(weight, stack.dequantize(1).to(dtype)):
+                raise ValueError("the dequantising kernel's matrix differs from the store's")
 
 
 def matrix(stack: nn.Module | torch.Tensor, e: int) -> torch.Tensor:
@@ -176,7 +179,8 @@ class KernelExperts(nn.Module):
     def product(self, which: str, matrices: KernelMatrices, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "bf16" or not plain_cpu(x):
             return self.store_products[which](e, x)
-        weight = dequantized(self.kernels, FORMAT_CODES[self.fmt], matrices.arrays, matrices.shape[1:], e)
+        weight = dequantized(self.kernels, FORMAT_CODES[self.fmt], matrices.arrays, matrices.shape[1:], e,
+                             many_rows_weight_dtype(x))
         return many_rows_product(x, weight)
 
     @property
@@ -199,12 +203,16 @@ class KernelExperts(nn.Module):
 
 
 def dequantized(kernels: ModuleType, code: int, arrays: tuple[np.ndarray, np.ndarray], shape: tuple[int, int],
-                e: int) -> torch.Tensor:
-    """Matrix e [out, in] of a quantised stack's kernel arrays (kernel_arrays), in fp32."""
-    out = torch.empty(shape)
+                e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Matrix e [out, in] of a quantised stack's kernel arrays (kernel_arrays), in fp32, or in bf16 (the fp32
+    weights rounded to the nearest even, as torch rounds them)."""
+    out = torch.empty(shape, dtype=dtype)
     with LOCK:
         set_threads(kernels)
-        kernels.dequantize(code, *arrays, e, out.numpy())
+        if dtype == torch.bfloat16:
+            kernels.dequantize_bf16(code, *arrays, e, out.view(torch.int16).numpy())
+        else:
+            kernels.dequantize(code, *arrays, e, out.numpy())
     return out
 
 

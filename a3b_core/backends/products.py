@@ -49,12 +49,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def many_rows_weight_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype many_rows_product multiplies x's rows in: bf16 for bf16 rows where oneDNN multiplies bf16 (CPUs with
+    AVX-512 bf16, where that is the faster product), else fp32. A dequantising kernel writes its weights in it, so
+    no copy converts them."""
+    return torch.bfloat16 if x.dtype == torch.bfloat16 and bf16_matmul_is_native() else torch.float32
+
+
 def many_rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T (weight a dequantised fp32 matrix) in x's dtype: in fp32 from the exact weights, or in bf16 where
-    oneDNN multiplies bf16 (CPUs with AVX-512 bf16, where that is the faster product)."""
-    if x.dtype == torch.bfloat16 and bf16_matmul_is_native():
+    """x @ weight^T (weight a dequantised matrix, in fp32 or already in many_rows_weight_dtype) in x's dtype: in fp32
+    from the exact weights, or in bf16 from them rounded to bf16."""
+    if many_rows_weight_dtype(x) == torch.bfloat16:
         return F.linear(x, weight.bfloat16())
-    return F.linear(x.float(), weight).to(x.dtype)
+    return F.linear(x.float(), weight.float()).to(x.dtype)
 
 
 class CpuLinear(nn.Module):
