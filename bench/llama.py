@@ -15,6 +15,7 @@ from bench.bench_model import bench_dir
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"
 TARGETS = ("llama-bench", "llama-quantize")
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # explicit -mno flags win over -march=native's
 HERE = Path(__file__).resolve().parent
 
 
@@ -26,22 +27,24 @@ def is_built(tree: Path) -> bool:
     return all(binary(tree, name).is_file() for name in TARGETS)
 
 
-def llama_tree(explicit: Path | None, jobs: int) -> Path:
+def llama_tree(explicit: Path | None, jobs: int, no_amx: bool = False) -> Path:
     """The llama.cpp source tree with llama-bench and llama-quantize built in its `build/` folder: `explicit`
     (--llama-cpp or $A3B_LLAMA_CPP, which must already be built), else the bench cache's own copy, downloaded and
-    built on first use (about 15 minutes on 2 cores)."""
+    built on first use (about 15 minutes on 2 cores). With `no_amx`, a copy of its own built without AMX
+    instructions: on some virtual machines the CPU reports AMX but executing it is refused, and llama.cpp's native
+    build then dies with SIGILL in its Q8_0 and Q4 kernels."""
     if explicit is not None:
         if not is_built(explicit):
             raise SystemExit(f"{explicit}: no build/bin/llama-bench and llama-quantize there. Build them "
                              "(cmake -B build -DCMAKE_BUILD_TYPE=Release && cmake --build build --target llama-bench "
                              "llama-quantize) or drop --llama-cpp to let the bench build its own copy.")
         return explicit
-    root = bench_dir() / "llama.cpp"
+    root = bench_dir() / ("llama.cpp-no-amx" if no_amx else "llama.cpp")
     tree = root / f"llama_cpp_python-{LLAMA_CPP_PYTHON_VERSION}" / "vendor" / "llama.cpp"
     if not is_built(tree):
         if not (tree / "CMakeLists.txt").is_file():
             download_sdist(root)
-        build(tree, jobs)
+        build(tree, jobs, NO_AMX_FLAGS if no_amx else "")
     return tree
 
 
@@ -56,11 +59,12 @@ def download_sdist(root: Path) -> None:
         tar.extractall(root, filter="data")
 
 
-def build(tree: Path, jobs: int) -> None:
+def build(tree: Path, jobs: int, flags: str) -> None:
+    """A native build (-march=native) of TARGETS, with `flags` added to every C and C++ compile."""
     print(f"[bench] building {', '.join(TARGETS)} in {tree / 'build'} (about 15 minutes on 2 cores)", flush=True)
     subprocess.run(["cmake", "-S", str(tree), "-B", str(tree / "build"), "-DCMAKE_BUILD_TYPE=Release",
                     "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF",
-                    "-DLLAMA_OPENSSL=OFF"], check=True)
+                    "-DLLAMA_OPENSSL=OFF", f"-DCMAKE_C_FLAGS={flags}", f"-DCMAKE_CXX_FLAGS={flags}"], check=True)
     subprocess.run(["cmake", "--build", str(tree / "build"), "--config", "Release", "-j", str(jobs),
                     "--target", *TARGETS], check=True)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -87,7 +88,9 @@ def run_child(command: list[str], env: dict) -> tuple[str, int]:
         stdout.seek(0)
         stderr.seek(0)
         if process.returncode != 0:
-            raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}):\n{stderr.read()[-3000:]}")
+            hint = " (SIGILL: an instruction this CPU refuses; for llama-bench, try --llama-no-amx)" \
+                if process.returncode == -signal.SIGILL else ""
+            raise RuntimeError(f"{' '.join(command)} failed ({process.returncode}){hint}:\n{stderr.read()[-3000:]}")
         return stdout.read(), usage.ru_maxrss * 1024  # Linux reports KiB
 
 
@@ -161,7 +164,7 @@ def build_systems(args, model_dir: Path) -> list[System]:
                              COMPUTE_DTYPES[name], *sizes)
             systems.append(System(f"transformers {name}", command, worker_result))
     if not args.no_llama:
-        tree = llama.llama_tree(args.llama_cpp, args.build_jobs)
+        tree = llama.llama_tree(args.llama_cpp, args.build_jobs, args.llama_no_amx)
         cfg = text_config(args.small)
         for kind, path in llama.gguf_files(tree, model_dir, args.llama_types.split(","), args.threads).items():
             per_token = gguf_bytes_per_token(llama.gguf_tensor_bytes(tree, path), cfg["num_experts_per_tok"],
@@ -310,6 +313,9 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, default=os.environ.get("A3B_LLAMA_CPP"),
                         help="an already built llama.cpp tree (build/bin/llama-bench); default $A3B_LLAMA_CPP, else "
                              "the bench cache's own build")
+    parser.add_argument("--llama-no-amx", action="store_true",
+                        help="build (once) and run a llama.cpp without AMX instructions: for machines that report AMX "
+                             "but refuse it, where llama-bench dies with SIGILL (exit -4)")
     parser.add_argument("--build-jobs", type=int, default=2, help="parallel jobs for the llama.cpp build")
     parser.add_argument("--small", action="store_true",
                         help="a 4-layer stand-in model: checks the bench end to end in minutes (numbers meaningless)")

@@ -1,0 +1,14 @@
+"""The speed bench's handling of a measurement process that dies (bench/speed.py)."""
+import sys
+
+import pytest
+
+from bench import speed
+
+
+def test_a_measurement_killed_by_sigill_names_the_no_amx_build():
+    """A native llama.cpp build dies with SIGILL where the CPU reports AMX and refuses it: the error says so."""
+    command = [sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGILL)"]
+    with pytest.raises(RuntimeError, match="SIGILL.*--llama-no-amx"):
+        speed.run_child(command, {})
+
