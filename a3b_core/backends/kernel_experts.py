@@ -4,9 +4,10 @@ Decoding multiplies each of a token's top-k experts by one row. As torch calls t
 layer, each with a fixed cost, and torch's weight-only int8 kernel reads its matrix at about half the memory
 bandwidth. The kernel computes the layer's whole routed step of a decoding step (one row per sequence: gate/up rows,
 SiLU(gate) * up, down rows, the routing-weighted sum) in one call, reading each chosen expert once, its output rows
-split over torch's thread count; bench/expert_step.py measures both. Prefill multiplies matrices with torch's fp32
+split over torch's thread count; bench/expert_step.py measures both. Prefill multiplies matrices with torch's
 product (efficient there), each quantised expert dequantised by a kernel (`dequantized`: 6-8 G weights/s for int8
-and int4, 2-3 for FP8, against 0.15-0.3 in torch's operations on an AVX2 EPYC). The choice is made per step kind,
+and int4, 2-3 for FP8, against 0.15-0.3 in torch's operations on an AVX2 EPYC), in fp32, or rounded to bf16 by the
+kernel where torch multiplies bf16 (bench/prefill_weights.py measures that). The choice is made per step kind,
 not per row count, so that a sequence decodes to the same tokens whatever batch it is in (a row's result from the
 kernel does not depend on the other rows, while a prefill's path would then depend on how many rows a batch's last
 chunk has).
