@@ -15,6 +15,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,18 +39,43 @@ def kernel_group(module: torch.nn.Module) -> tuple[str, str] | None:
     return None
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def variants_parser(description: str, rounds: int) -> argparse.ArgumentParser:
+    """The options of a bench that times variants in interleaved rounds on one loaded bench model."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--experts", default="int8", help="weight_format of the routed experts")
     parser.add_argument("--dense-format", default="int8")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=rounds)
+    return parser
+
+
+def load_bench_model(args: argparse.Namespace):
+    """The bench model in bf16 with the options' experts and dense format, torch on their thread count; converted
+    experts come from speed.py's cache."""
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("A3B_CACHE_DIR", str(bench_dir() / "a3b-cache"))
+    return load_model(bench_model_dir(), preset="cpu", compute_dtype="bfloat16", weight_format=args.experts,
+                      dense_format=args.dense_format)
+
+
+def timed_rounds(variants: list[str], rounds: int, prepare: Callable[[str], None],
+                 run: Callable[[], object]) -> dict[str, list[float]]:
+    """Seconds of each run(), per variant, in `rounds` rounds that interleave the variants, prepare(variant) first."""
+    times: dict[str, list[float]] = {v: [] for v in variants}
+    for _ in range(rounds):
+        for variant in variants:
+            prepare(variant)
+            started = time.perf_counter()
+            run()
+            times[variant].append(time.perf_counter() - started)
+    return times
+
+
+def main() -> None:
+    parser = variants_parser(__doc__.splitlines()[0], rounds=4)
     parser.add_argument("--decode", type=int, default=32, help="tokens timed per variant and round")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    os.environ.setdefault("A3B_CACHE_DIR", str(bench_dir() / "a3b-cache"))  # speed.py's converted experts
-    model = load_model(bench_model_dir(), preset="cpu", compute_dtype="bfloat16", weight_format=args.experts,
-                       dense_format=args.dense_format)
+    model = load_bench_model(args)
     attached = [(m, *group, getattr(m, group[1])) for m in model.text.modules() if (group := kernel_group(m))]
     present = [g for g in GROUPS if any(group == g for _, group, _, _ in attached)]
     variants = ["all", *(f"without {g}" for g in present), "none"]
@@ -59,23 +85,27 @@ def main() -> None:
             off = variant == "none" or variant == f"without {group}"
             setattr(module, attribute, None if off else kernel)
 
+    def prepare(variant: str) -> None:
+        detach(variant)
+        model.generate(prompt, max_new_tokens=2, temperature=0)  # warm-up
+
     prompt = torch.tensor([[1, 2, 3]])
-    times: dict[str, list[float]] = {v: [] for v in variants}
-    for _ in range(args.rounds):
-        for variant in variants:
-            detach(variant)
-            model.generate(prompt, max_new_tokens=2, temperature=0)  # warm-up
-            started = time.perf_counter()
-            model.generate(prompt, max_new_tokens=args.decode + 1, temperature=0)
-            times[variant].append((time.perf_counter() - started) / args.decode * 1e3)
+    seconds = timed_rounds(variants, args.rounds, prepare,
+                           lambda: model.generate(prompt, max_new_tokens=args.decode + 1, temperature=0))
+    times = {variant: [s / args.decode * 1e3 for s in runs] for variant, runs in seconds.items()}
     print(f"experts {args.experts}, dense {args.dense_format}, {args.threads} threads, {args.rounds} rounds "
           f"(medians; includes a 3-token prefill per {args.decode} tokens)")
-    print("| kernels | ms per token | vs all |")
+    print_medians(times, "kernels", "ms per token", "all")
+
+
+def print_medians(times: dict[str, list[float]], label: str, unit: str, base: str) -> None:
+    """A markdown table of each variant's median and its time as a multiple of the `base` variant's."""
+    print(f"| {label} | {unit} | vs {base} |")
     print("|---|---|---|")
-    base = statistics.median(times["all"])
-    for variant in variants:
-        ms = statistics.median(times[variant])
-        print(f"| {variant} | {ms:.1f} | {ms / base:.2f}x |")
+    reference = statistics.median(times[base])
+    for variant, runs in times.items():
+        median = statistics.median(runs)
+        print(f"| {variant} | {median:.2f} | {median / reference:.2f}x |")
 
 
 if __name__ == "__main__":
