@@ -180,9 +180,7 @@ class KernelExperts(nn.Module):
     def product(self, which: str, matrices: KernelMatrices, e: int, x: torch.Tensor) -> torch.Tensor:
         if self.fmt == "bf16" or not plain_cpu(x):
             return self.store_products[which](e, x)
-        weight = dequantized(self.kernels, FORMAT_CODES[self.fmt], matrices.arrays, matrices.shape[1:], e,
-                             many_rows_weight_dtype(x))
-        return many_rows_product(x, weight)
+        return dequantized_product(self.kernels, FORMAT_CODES[self.fmt], matrices.arrays, matrices.shape[1:], e, x)
 
     @property
     def device(self) -> torch.device:
@@ -215,6 +213,14 @@ def dequantized(kernels: ModuleType, code: int, arrays: tuple[np.ndarray, np.nda
         else:
             kernels.dequantize(code, *arrays, e, out.numpy())
     return out
+
+
+def dequantized_product(kernels: ModuleType, code: int, arrays: tuple[np.ndarray, np.ndarray],
+                        shape: tuple[int, int], e: int, x: torch.Tensor) -> torch.Tensor:
+    """x times matrix e of a quantised stack's kernel arrays, for many rows (prefill): the matrix dequantised by the
+    kernel in the dtype the product multiplies in (many_rows_weight_dtype), so no copy converts it, then torch's
+    product."""
+    return many_rows_product(x, dequantized(kernels, code, arrays, shape, e, many_rows_weight_dtype(x)))
 
 
 def swap_in_kernels(text: nn.Module) -> None:

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dense import QuantizedLinear
-from .kernel_experts import FORMAT_CODES, KERNEL_FORMATS, LOCK, compiled_kernels, dequantized, kernel_arrays, \
-    kernels_enabled, plain_cpu, set_threads
-from .products import GEMV_MAX_ROWS, CpuLinear, FusedLinear, many_rows_product, many_rows_weight_dtype
+from .kernel_experts import FORMAT_CODES, KERNEL_FORMATS, LOCK, compiled_kernels, dequantized_product, \
+    kernel_arrays, kernels_enabled, plain_cpu, set_threads
+from .products import GEMV_MAX_ROWS, CpuLinear, FusedLinear
 
 BF16_KERNEL_MIN_ROWS = 1024
 
@@ -52,8 +52,7 @@ class DenseKernel:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.numel() > GEMV_MAX_ROWS * x.shape[-1]:  # quantised (takes): no bias
-            weight = dequantized(self.kernels, self.code, self.arrays, self.shape, 0, many_rows_weight_dtype(x))
-            return many_rows_product(x, weight)
+            return dequantized_product(self.kernels, self.code, self.arrays, self.shape, 0, x)
         rows = x.detach().float().reshape(-1, x.shape[-1]).contiguous().numpy()
         out = torch.empty(*x.shape[:-1], self.shape[0])
         with LOCK:
