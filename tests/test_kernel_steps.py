@@ -1,6 +1,8 @@
 """The decoding kernels besides the routed experts (backends/kernel_steps.py, cpu_kernels.py): dense products of few
 rows and the Gated DeltaNet step equal the torch computations they replace; they are attached to bf16 models only,
 and whole models decode the same with them."""
+from collections import Counter
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -14,6 +16,7 @@ from a3b_core.backends.kernel_steps import BF16_KERNEL_MIN_ROWS, DeltaNetKernel,
 from a3b_core.backends.products import CpuLinear, FusedLinear, linear
 from a3b_core.models.qwen3_5.cache import Cache
 from a3b_core.models.qwen3_5.config import parse_text_config
+from a3b_core.models.layers import RMSNorm
 from a3b_core.models.qwen3_5.text import GatedDeltaNet
 
 pytestmark = pytest.mark.skipif(compiled_kernels() is None, reason="numba is not installed or cannot compile")
@@ -121,11 +124,11 @@ def test_deltanet_step_leaves_a_fake_cache_to_torch():
         assert layer(torch.randn(1, 1, 64), cache).shape == (1, 1, 64)  # torch's step
 
 
-def attached(model) -> tuple[int, int]:
-    """(modules with a dense kernel, DeltaNet layers with a step kernel) of a model's text model."""
-    modules = list(model.text.modules())
-    return (sum(getattr(m, "rows_kernel", None) is not None for m in modules),
-            sum(getattr(m, "step_kernel", None) is not None for m in modules))
+def attached(model) -> Counter:
+    """How many of each kernel a model's text model has attached (rows_kernel, step_kernel, norm_kernel)."""
+    return Counter(type(kernel).__name__ for module in model.text.modules()
+                   for kernel in (getattr(module, a, None) for a in ("rows_kernel", "step_kernel", "norm_kernel"))
+                   if kernel is not None)
 
 
 # bf16 models, kernels against torch's path (4 layers, logit std 0.57; the tiny models' bf16 matrices are below
@@ -146,8 +149,11 @@ def test_bf16_models_decode_the_same_with_step_kernels(fixtures, which, dense_fo
     with_kernels = load_model(folder, preset="cpu", compute_dtype="bfloat16", dense_format=dense_format)
     monkeypatch.setenv("A3B_NO_NUMBA", "1")
     torch_path = load_model(folder, preset="cpu", compute_dtype="bfloat16", dense_format=dense_format)
-    dense, steps = attached(with_kernels)
-    assert steps == 3 and (dense > 0) == (dense_format != "auto") and attached(torch_path) == (0, 0)
+    kernels = attached(with_kernels)
+    norms = sum(isinstance(m, RMSNorm) for m in with_kernels.text.modules())
+    assert kernels["DeltaNetKernel"] == 3 and kernels["NormKernel"] == norms and not attached(torch_path)
+    assert kernels["MoeStepKernel"] == (4 if which.startswith("moe") else 0)
+    assert (kernels["DenseKernel"] > 0) == (dense_format != "auto")
     assert (with_kernels.logits(ids).float() - torch_path.logits(ids).float()).abs().max() < MODEL_LOGIT_BOUND
     tokens = with_kernels.generate(ids[0], max_new_tokens=8, temperature=0).token_ids
     torch_logits = torch_path.logits(torch.cat([ids[0], torch.tensor(tokens)])[None])[0, ids.shape[1] - 1:-1].float()
@@ -158,7 +164,7 @@ def test_bf16_models_decode_the_same_with_step_kernels(fixtures, which, dense_fo
 def test_kernels_skip_fp32_models_and_small_matrices(fixtures, monkeypatch):
     monkeypatch.delenv("A3B_NO_NUMBA", raising=False)
     assert kernels_enabled()
-    assert attached(load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32")) == (0, 0)
+    assert not attached(load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32"))
     fp32_int4 = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32", dense_format="int4")
     quantised = [m for m in fp32_int4.text.modules() if isinstance(m, QuantizedLinear)]
     assert quantised and all(isinstance(m.matrix, TorchInt4Stack) for m in quantised)  # no kernel: torch's packing
@@ -187,7 +193,7 @@ def test_kernels_that_fail_their_check_leave_torchs_path(fixtures, monkeypatch):
     try:
         with pytest.warns(UserWarning, match="could not compile the CPU decoding kernels"):
             model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", dense_format="int8")
-        assert attached(model) == (0, 0)
+        assert not attached(model)
         assert 1 <= len(model.generate(torch.tensor([1, 2]), max_new_tokens=3, temperature=0).token_ids) <= 3
     finally:
         kernel_steps.checked_step_kernels.cache_clear()

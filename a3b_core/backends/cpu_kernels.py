@@ -239,6 +239,22 @@ def dequantize(fmt, q, scale, e, out):
         dequantize_row(fmt, q, scale, e, r, out[r])
 
 
+@njit(cache=True, inline="always")
+def bf16_half(bits):
+    """The bf16 nearest (ties to even, as torch rounds) to the fp32 whose bits (int32) are given: its 16 bits, in the
+    low half of an int64 (sign-extended)."""
+    value = np.int64(bits)
+    return (value + 0x7FFF + ((value >> 16) & 1)) >> 16
+
+
+@njit(cache=True)
+def round_bf16(values):
+    """Each fp32 of values (1-D, contiguous) rounded in place to bf16: the fp32 a torch bf16 tensor would hold."""
+    bits = values.view(np.int32)
+    for k in range(bits.shape[0]):
+        bits[k] = np.int32(bf16_half(bits[k]) << 16)
+
+
 @njit(cache=True, fastmath=FAST, parallel=True)  # fastmath as dequantize's: the same fp32 weights; rounding is integer
 def dequantize_bf16(fmt, q, scale, e, out):
     """Expert e's matrix as dequantize computes it, each weight then rounded to bf16 to the nearest even (as torch
@@ -253,8 +269,7 @@ def dequantize_bf16(fmt, q, scale, e, out):
             dequantize_row(fmt, q, scale, e, r, row)
             dst = out[r]
             for k in range(n):
-                value = np.int64(bits[k])
-                dst[k] = np.int16(((value + 0x7FFF + ((value >> 16) & 1)) >> 16) & 0xFFFF)
+                dst[k] = np.int16(bf16_half(bits[k]) & 0xFFFF)
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)
@@ -318,3 +333,102 @@ def gated_delta_step(qkv, z, beta_in, a_in, conv_w, history, a_log, dt_bias, nor
         for j in range(dv):
             g = z[s, h * dv + j]
             out[s, h * dv + j] = o[j] * o_scale * norm_w[j] * (g / (1 + np.exp(-g)))
+
+
+@njit(cache=True, fastmath=FAST)
+def rms_norm_bf16(x, weight, eps, out):
+    """RMSNorm of bf16 rows (bit patterns, int16 [N, D]) times weight (fp32 [D]), in fp32, each result rounded to
+    bf16 into out (int16 [N, D]): torch's F.rms_norm of the rows in fp32, then .to(bfloat16)."""
+    n, d = x.shape
+    row = np.empty(d, np.float32)
+    bits = row.view(np.int32)
+    for t in range(n):
+        for k in range(d):
+            bits[k] = np.int32(x[t, k]) << 16
+        squares = np.float32(0.0)
+        for k in range(d):
+            squares += row[k] * row[k]
+        scale = np.float32(1.0) / np.sqrt(squares / d + eps)
+        for k in range(d):
+            row[k] = row[k] * scale * weight[k]
+        for k in range(d):
+            out[t, k] = np.int16(bf16_half(bits[k]) & 0xFFFF)
+
+
+@njit(cache=True)
+def bf16_rows(x):
+    """bf16 rows (int16 bit patterns [N, D]) as fp32."""
+    rows = np.empty(x.shape, np.float32)
+    bits = rows.reshape(-1).view(np.int32)
+    flat = x.reshape(-1)
+    for k in range(flat.shape[0]):
+        bits[k] = np.int32(flat[k]) << 16
+    return rows
+
+
+@njit(cache=True)
+def bf16_product(code, q, scale, x):
+    """The rows of x [T, in] (fp32) times a matrix held as one expert (matrix_rows), rounded to bf16: what a bf16
+    model's dense product returns."""
+    out = np.empty((x.shape[0], q.shape[2]), np.float32)
+    matrix_rows(code, q, scale, x, out)
+    round_bf16(out.reshape(-1))
+    return out
+
+
+@njit(cache=True)
+def sparse_moe_step(router_q, mix_q, no_scale, code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale,
+                    routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, x_bits, out):
+    """A Qwen3.5 sparse MoE block's decoding step (models/qwen3_5/text.py, SparseMoE.forward) for the bf16 rows of
+    x_bits (int16 [T, H]) into out (int16 [T, H], bf16): the router's product and the shared expert's mixing weight
+    (router_q, mix_q: bf16 [1, 1, rows, H], no_scale their empty scale), the top-k softmax routing, the routed
+    experts (routed_step with routed_code's arrays) and the shared expert (gate, up, down in `code`'s format) scaled
+    by the sigmoid of its mixing weight. Each intermediate is rounded to bf16 where torch's bf16 path rounds it, so
+    the step returns what that path returns with the dense and routed kernels, up to fp32 rounding."""
+    x = bf16_rows(x_bits)
+    tokens = x.shape[0]
+    logits = bf16_product(BF16, router_q, no_scale, x)
+    mix = bf16_product(BF16, mix_q, no_scale, x)
+    gate = bf16_product(code, gate_q, gate_scale, x)
+    up = bf16_product(code, up_q, up_scale, x)
+    # the top-k logits (the first of equal ones) and their softmax, rounded to bf16
+    experts = logits.shape[1]
+    ids = np.empty((tokens, top_k), np.int64)
+    weights = np.empty((tokens, top_k), np.float32)
+    for t in range(tokens):
+        taken = np.zeros(experts, np.bool_)
+        for j in range(top_k):
+            best = -1
+            for e in range(experts):
+                if not taken[e] and (best < 0 or logits[t, e] > logits[t, best]):
+                    best = e
+            taken[best] = True
+            ids[t, j] = best
+        total = np.float32(0.0)
+        for j in range(top_k):
+            weights[t, j] = np.exp(logits[t, ids[t, j]] - logits[t, ids[t, 0]])
+            total += weights[t, j]
+        for j in range(top_k):
+            weights[t, j] /= total
+    round_bf16(weights.reshape(-1))
+    routed = np.zeros(x.shape, np.float32)
+    routed_step(routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, routed)
+    round_bf16(routed.reshape(-1))
+    # the shared expert: SiLU(gate) rounded, times up rounded, down; times the sigmoid of its mixing weight
+    act = gate.reshape(-1)
+    for k in range(act.shape[0]):
+        act[k] = act[k] / (1 + np.exp(-act[k]))
+    round_bf16(act)
+    act *= up.reshape(-1)
+    round_bf16(act)
+    shared = bf16_product(code, down_q, down_scale, gate)
+    for t in range(tokens):
+        weight = np.ones(1, np.float32) / (1 + np.exp(-mix[t]))
+        round_bf16(weight)
+        row = shared[t] * weight[0]
+        round_bf16(row)
+        row += routed[t]
+        round_bf16(row)
+        bits = row.view(np.int32)
+        for k in range(row.shape[0]):
+            out[t, k] = np.int16((bits[k] >> 16) & 0xFFFF)

@@ -27,11 +27,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dense import QuantizedLinear
-from .kernel_experts import FORMAT_CODES, KERNEL_FORMATS, LOCK, compiled_kernels, dequantized_product, \
-    kernel_arrays, kernels_enabled, plain_cpu, set_threads
+from .experts import CpuFloatExperts, QuantizedExperts
+from .kernel_experts import FORMAT_CODES, KERNEL_FORMATS, LOCK, KernelExperts, compiled_kernels, \
+    dequantized_product, kernel_arrays, kernels_enabled, plain_cpu, set_threads
+from .kernel_experts import matrix as expert_matrix
 from .products import GEMV_MAX_ROWS, CpuLinear, FusedLinear
 
 BF16_KERNEL_MIN_ROWS = 1024
+NORM_KERNEL_MAX = 1 << 16  # elements normalised by the norm kernel in one call: decoding's rows, a short prefill's
 
 
 class DenseKernel:
@@ -91,6 +94,148 @@ class DeltaNetKernel:
         return torch.from_numpy(out)[:, None]
 
 
+class NormKernel:
+    """An RMSNorm of a few bf16 rows by the numba kernel (cpu_kernels.rms_norm_bf16), for the RMSNorm that calls it
+    (models/layers.py). torch computes a norm in about ten calls on a short row, ~150 us on a 2-core Xeon; the kernel
+    takes a few. Holds the norm's scale (weight plus offset) in fp32."""
+
+    def __init__(self, norm: nn.Module, kernels: ModuleType):
+        self.kernels = kernels
+        self.scale = (norm.weight.detach().float() + norm.offset).contiguous().numpy()
+        self.eps = np.float32(norm.eps)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and x.numel() <= NORM_KERNEL_MAX and plain_cpu(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.detach().contiguous().view(torch.int16).view(-1, x.shape[-1])
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        self.kernels.rms_norm_bf16(rows.numpy(), self.scale, self.eps, out.view(torch.int16).view(rows.shape).numpy())
+        return out
+
+
+MOE_PARTS = ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate",
+             "shared_expert.down_proj")  # a Qwen3.5 SparseMoE's matrices: router, shared expert, its mixing weight
+
+
+class MoeStepKernel:
+    """A Qwen3.5 sparse MoE block's decoding step (router, routing, routed and shared experts, their sum) in one
+    numba call (cpu_kernels.sparse_moe_step), for the block that calls it: about 25 torch calls and three kernel calls
+    become one. The router and the mixing weight are bf16; the shared expert's three matrices share one format (bf16,
+    or dense_format's int8 / int4); the matrices are read where they are held (no copies). The result is the block's
+    with the dense and routed kernels, intermediates rounded to bf16 as there."""
+
+    def __init__(self, parts: dict[str, DenseKernel], experts: KernelExperts, top_k: int, kernels: ModuleType):
+        router, gate, up, mix, down = (parts[name] for name in MOE_PARTS)
+        no_scale = router.arrays[1]
+        self.kernels = kernels
+        self.arrays = (router.arrays[0], mix.arrays[0], no_scale, gate.code, *gate.arrays, *up.arrays, *down.arrays,
+                       FORMAT_CODES[experts.fmt], experts.inter, *experts.gate_up_proj.arrays,
+                       *experts.down_proj.arrays, top_k)
+
+    @classmethod
+    def of(cls, moe: nn.Module, kernels: ModuleType) -> MoeStepKernel | None:
+        """The kernel of a SparseMoE whose matrices and experts the kernels read, or None."""
+        fused = moe.fused_projection
+        if isinstance(fused, FusedLinear):
+            split = dict(zip(moe.input_projections, fused.weight.split(fused.sizes)))
+            matrices = [split.get(name) for name in MOE_PARTS[:-1]] + [moe.shared_expert.down_proj]
+        else:
+            matrices = [moe.get_submodule(name) for name in MOE_PARTS]
+        parts = [dense_kernel(m, kernels) for m in matrices]
+        if not isinstance(moe.experts, KernelExperts) or any(p is None for p in parts):
+            return None
+        router, gate, up, mix, down = parts
+        if router.code != FORMAT_CODES["bf16"] or mix.code != router.code or not gate.code == up.code == down.code:
+            return None
+        if not checked_moe_step(gate.code, moe.experts.fmt):
+            return None
+        return cls(dict(zip(MOE_PARTS, parts)), moe.experts, moe.cfg.num_experts_per_tok, kernels)
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and plain_cpu(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output for decoding rows x [N, H] (bf16)."""
+        rows = x.detach().contiguous().view(torch.int16)
+        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        with LOCK:
+            set_threads(self.kernels)
+            self.kernels.sparse_moe_step(*self.arrays, rows.numpy(), out.view(torch.int16).numpy())
+        return out
+
+
+def dense_kernel(matrix: nn.Module | torch.Tensor, kernels: ModuleType) -> DenseKernel | None:
+    """A DenseKernel of a bf16 weight or bias-free CpuLinear, or of a QuantizedLinear in a kernel format; None
+    where the kernels cannot read it."""
+    if isinstance(matrix, QuantizedLinear):
+        ok = matrix.fmt in KERNEL_FORMATS and plain_cpu(*matrix.buffers())
+        return DenseKernel(matrix.fmt, matrix.matrix, kernels) if ok else None
+    if isinstance(matrix, CpuLinear) and matrix.bias is None:
+        matrix = matrix.weight.data
+    ok = isinstance(matrix, torch.Tensor) and matrix.dtype == torch.bfloat16 and plain_cpu(matrix) \
+        and matrix.is_contiguous()
+    return DenseKernel("bf16", matrix[None], kernels) if ok else None
+
+
+@cache
+def checked_moe_step(code: int, routed: str) -> bool:
+    """Whether the MoE step compiles for shared-expert matrices in format `code` and routed experts in `routed`, and
+    reproduces a small block's step (two rows, four experts, top 2, routing margins far above bf16's rounding): the
+    compile happens at load, not in the middle of a generation. False with a warning if not."""
+    kernels = compiled_kernels()
+    try:
+        check_moe_step(kernels, next(f for f, c in FORMAT_CODES.items() if c == code), routed)
+    except Exception as exc:  # numba's compile errors have many types; any failure means torch's path
+        warnings.warn(f"a3b_core: numba could not compile the CPU MoE step ({exc}); using separate kernel calls.",
+                      stacklevel=2)
+        return False
+    return True
+
+
+def check_moe_step(kernels: ModuleType, shared: str, routed: str) -> None:
+    """The MoE step of two rows against the same block in fp64 (from the formats' own weights), within bf16's
+    roundings of the step's intermediates."""
+    g = torch.Generator().manual_seed(0)
+    hidden, inter, experts = 64, 32, 4
+    x = torch.randn(2, hidden, generator=g).bfloat16()
+    router = (torch.randn(experts, hidden, generator=g)).bfloat16()  # logits ~8 apart: no bf16 rounding flips a choice
+    mix = (torch.randn(1, hidden, generator=g) * 0.1).bfloat16()
+    matrices = {}
+    for name, shape in (("shared_expert.gate_proj", (inter, hidden)), ("shared_expert.up_proj", (inter, hidden)),
+                        ("shared_expert.down_proj", (hidden, inter))):
+        w = torch.randn(*shape, generator=g) * shape[1] ** -0.5
+        matrices[name] = w.bfloat16() if shared == "bf16" else QuantizedLinear(shared, w)
+    parts = {name: dense_kernel(m, kernels) for name, m in {"gate": router, "shared_expert_gate": mix,
+                                                          **matrices}.items()}
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5
+    down = torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5
+    if routed == "bf16":
+        store = CpuFloatExperts(nn.Parameter(gate_up.bfloat16()), nn.Parameter(down.bfloat16()))
+    else:
+        store = QuantizedExperts(routed, experts, hidden, inter)
+        for e in range(experts):
+            store.gate_up_proj.set(e, gate_up[e])
+            store.down_proj.set(e, down[e])
+    got = MoeStepKernel(parts, KernelExperts(store, kernels), 2, kernels)(x).double()
+
+    def exact(m: nn.Module | torch.Tensor) -> torch.Tensor:
+        return (m.matrix.dequantize(0) if isinstance(m, QuantizedLinear) else m).double()
+
+    xd = x.double()
+    logits, top_i = (xd @ exact(router).t()).topk(2)
+    top_p = torch.softmax(logits, -1)
+    shared_gate, shared_up = (xd @ exact(matrices[name]).t() for name in MOE_PARTS[1:3])
+    want = torch.sigmoid(xd @ exact(mix).t()) * (F.silu(shared_gate) * shared_up @ exact(matrices[MOE_PARTS[4]]).t())
+    for t in range(2):
+        for p, e in zip(top_p[t].tolist(), top_i[t].tolist()):
+            gate, up = (expert_matrix(store.gate_up_proj, e).double() @ xd[t]).chunk(2)
+            want[t] += p * expert_matrix(store.down_proj, e).double() @ (F.silu(gate) * up)
+    if not torch.allclose(got, want, rtol=0.03, atol=0.03 * want.abs().max().item()):
+        raise ValueError("the MoE step differs from the block's")
+
+
 @cache
 def checked_step_kernels() -> ModuleType | None:
     """The kernels once this module's two have compiled (every signature it calls) and reproduced small cases, or
@@ -107,7 +252,7 @@ def checked_step_kernels() -> ModuleType | None:
 
 def check_step_kernels(kernels: ModuleType) -> None:
     """A product of two rows with a bf16, an int8 and an int4 matrix; a DeltaNet step from an empty state and
-    history, where the delta rule reduces to o = (q . k) * beta * v."""
+    history, where the delta rule reduces to o = (q . k) * beta * v; an RMSNorm of three bf16 rows."""
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(64, 64, generator=g).bfloat16(), torch.randn(2, 64, generator=g)
     cases = [(DenseKernel("bf16", weight[None], kernels)(x), weight.float())]
@@ -132,16 +277,22 @@ def check_step_kernels(kernels: ModuleType) -> None:
     want = F.rms_norm(o, (dim,), eps=1e-6) * F.silu(z[0, 0]).view(heads, dim)
     if not (torch.allclose(got, want, rtol=1e-4, atol=1e-4) and torch.equal(history[0, -1], qkv[0, 0])):
         raise ValueError("the DeltaNet kernel's step differs from the delta rule's")
+    norm = SimpleNamespace(weight=torch.randn(dim, generator=g), offset=1.0, eps=1e-6)  # an RMSNorm's parameters
+    rows = torch.randn(3, dim, generator=g).bfloat16()
+    want = F.rms_norm(rows.float(), (dim,), norm.weight + 1, 1e-6).bfloat16().float()
+    if not torch.allclose(NormKernel(norm, kernels)(rows).float(), want, rtol=0.01, atol=0.01):
+        raise ValueError("the norm kernel's rows differ from torch's")
 
 
 def attach_step_kernels(text: nn.Module) -> None:
-    """Gives the CPU modules of `text` their kernels (`rows_kernel`, `step_kernel`), when kernels are enabled, compile
-    and check, and the compute dtype is not fp32."""
+    """Gives the CPU modules of `text` their kernels (`rows_kernel`, `step_kernel`, `norm_kernel`), when kernels are
+    enabled, compile and check, and the compute dtype is not fp32; the norm and MoE step kernels need bf16."""
     if not kernels_enabled() or text.embed_tokens.weight.dtype == torch.float32:
         return
     kernels = checked_step_kernels()
     if kernels is None:
         return
+    bf16 = text.embed_tokens.weight.dtype == torch.bfloat16  # the norm and MoE kernels read bf16 rows
     for module in text.modules():
         if isinstance(module, (CpuLinear, FusedLinear)):
             weight = module.weight.data
@@ -151,5 +302,9 @@ def attach_step_kernels(text: nn.Module) -> None:
         elif isinstance(module, QuantizedLinear):
             if module.fmt in KERNEL_FORMATS and plain_cpu(*module.buffers()):
                 module.rows_kernel = DenseKernel(module.fmt, module.matrix, kernels)
+        elif hasattr(module, "norm_kernel") and bf16 and plain_cpu(module.weight.data):
+            module.norm_kernel = NormKernel(module, kernels)
+        elif hasattr(module, "step_kernel") and hasattr(module, "experts"):  # a MoE block
+            module.step_kernel = MoeStepKernel.of(module, kernels) if bf16 else None
         elif hasattr(module, "step_kernel") and plain_cpu(*(p.data for p in module.parameters())):
             module.step_kernel = DeltaNetKernel(module, kernels)

@@ -38,8 +38,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
         self.eps, self.offset = eps, offset
+        self.norm_kernel = None  # loading may attach a kernel for a few bf16 rows (backends/kernel_steps.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.norm_kernel is not None and self.norm_kernel.takes(x):
+            return self.norm_kernel(x)
         scale = self.weight + self.offset if self.offset else self.weight
         return F.rms_norm(x.float(), self.weight.shape, scale, self.eps).to(x.dtype)
 

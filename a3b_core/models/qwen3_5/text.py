@@ -162,10 +162,15 @@ class SparseMoE(RoutedExperts):
         super().__init__(cfg)
         self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = projection(cfg.hidden_size, 1)
+        # loading may attach a kernel that computes a decoding step's whole block in one call
+        # (backends/kernel_steps.py, MoeStepKernel)
+        self.step_kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
+        if shape[-2] == 1 and self.step_kernel is not None and self.step_kernel.takes(x):
+            return self.step_kernel(x).view(shape)
         router, shared_gate, shared_up, shared_scale = project(self, x)
         top_i, top_p = self.route(router, x.dtype)
         out = self.routed_experts(x, top_i, top_p, decoding=shape[-2] == 1)
