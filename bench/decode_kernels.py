@@ -5,7 +5,7 @@ of them, then with one group detached at a time, then with none, in interleaved 
     python bench/decode_kernels.py --experts bf16 --dense-format auto
 
 Groups: "int8 dense" (QuantizedLinear products), "bf16 dense" (large bf16 CpuLinear / FusedLinear products),
-"deltanet" (the Gated DeltaNet step). The routed experts' kernel stays in every variant (bench/expert_step.py measures
+"deltanet" (the Gated DeltaNet step), "moe step" (a MoE block's whole step), "norms" (RMSNorms of bf16 rows). The routed experts' kernel stays in every variant (bench/expert_step.py measures
 it). One process and one model for every variant, so only the detached kernels differ between them.
 """
 from __future__ import annotations
@@ -26,13 +26,15 @@ from a3b_core import load_model  # noqa: E402
 from a3b_core.backends.kernel_experts import FORMAT_CODES  # noqa: E402
 from bench.bench_model import bench_dir, bench_model_dir  # noqa: E402
 
-GROUPS = ("int8 dense", "bf16 dense", "deltanet")
+GROUPS = ("int8 dense", "bf16 dense", "deltanet", "moe step", "norms")
 
 
 def kernel_group(module: torch.nn.Module) -> tuple[str, str] | None:
     """(group, attribute) of a module's attached kernel, or None."""
+    if getattr(module, "norm_kernel", None) is not None:
+        return "norms", "norm_kernel"
     if getattr(module, "step_kernel", None) is not None:
-        return "deltanet", "step_kernel"
+        return ("moe step" if hasattr(module, "experts") else "deltanet"), "step_kernel"
     kernel = getattr(module, "rows_kernel", None)
     if kernel is not None:
         return ("bf16 dense" if kernel.code == FORMAT_CODES["bf16"] else "int8 dense"), "rows_kernel"

@@ -12,12 +12,13 @@ from a3b_core.backends import kernel_steps
 from a3b_core.backends.dense import QuantizedLinear
 from a3b_core.backends.experts import TorchInt4Stack
 from a3b_core.backends.kernel_experts import compiled_kernels, kernels_enabled
-from a3b_core.backends.kernel_steps import BF16_KERNEL_MIN_ROWS, DeltaNetKernel, DenseKernel, attach_step_kernels
+from a3b_core.backends.kernel_steps import BF16_KERNEL_MIN_ROWS, DeltaNetKernel, DenseKernel, MoeStepKernel, \
+    NormKernel, attach_step_kernels
 from a3b_core.backends.products import CpuLinear, FusedLinear, linear
 from a3b_core.models.qwen3_5.cache import Cache
 from a3b_core.models.qwen3_5.config import parse_text_config
 from a3b_core.models.layers import RMSNorm
-from a3b_core.models.qwen3_5.text import GatedDeltaNet
+from a3b_core.models.qwen3_5.text import GatedDeltaNet, SparseMoE
 
 pytestmark = pytest.mark.skipif(compiled_kernels() is None, reason="numba is not installed or cannot compile")
 
@@ -122,6 +123,52 @@ def test_deltanet_step_leaves_a_fake_cache_to_torch():
         cache = Cache(layer.cfg, 1, 16)
         assert not layer.step_kernel.takes(cache.conv[0], cache.state[0])
         assert layer(torch.randn(1, 1, 64), cache).shape == (1, 1, 64)  # torch's step
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_norm_kernel_rounds_torchs_norm(offset, one_thread):
+    """bf16 rows of any leading shape (a layer's [B, T, H], a head norm's [B, T, heads, D]) normalise to torch's
+    result within one bf16 rounding; other dtypes keep torch's norm."""
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-6, offset)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    kernel = NormKernel(norm, compiled_kernels())
+    for x in (torch.randn(2, 1, 96, generator=g).bfloat16() * 5, torch.randn(2, 3, 4, 96, generator=g).bfloat16()):
+        want = norm(x)
+        norm.norm_kernel = kernel
+        got = norm(x)
+        norm.norm_kernel = None
+        assert got.dtype == torch.bfloat16 and got.shape == x.shape
+        assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -8).all()
+    assert not kernel.takes(torch.randn(2, 96)) and not kernel.takes(torch.randn(600, 128).bfloat16())
+
+
+# (checkpoint, routed experts' format, dense_format): bf16, int8, int4 and FP8 experts; a fused bf16 projection
+# (bf16 shared expert) and dense int8 / int4 shared experts
+MOE_STEP_CASES = [("moe_fused_bf16", "bf16", "auto"), ("moe_fused_bf16", "int8", "int8"),
+                  ("moe_fused_bf16", "int4", "int4"), ("moe_fp8", "fp8", "int8")]
+
+
+@pytest.mark.parametrize("which, weight_format, dense_format", MOE_STEP_CASES)
+def test_moe_step_equals_the_blocks_kernel_path(fixtures, which, weight_format, dense_format, monkeypatch,
+                                                one_thread):
+    """Each MoE block's one-call step of two decoding rows equals the block's own path with the dense and routed
+    kernels (what it replaces) within one bf16 rounding (measured: equal; the step's exp is not torch's)."""
+    monkeypatch.delenv("A3B_NO_NUMBA", raising=False)
+    model = load_model(getattr(fixtures, which), preset="cpu", compute_dtype="bfloat16", weight_format=weight_format,
+                       dense_format=dense_format)
+    blocks = [m for m in model.text.modules() if isinstance(m, SparseMoE)]
+    assert blocks and all(isinstance(b.step_kernel, MoeStepKernel) for b in blocks)
+    x = torch.randn(2, 1, model.text.cfg.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
+    with torch.no_grad():
+        for block in blocks:
+            got = block(x)
+            kernel, block.step_kernel = block.step_kernel, None
+            want = block(x)
+            block.step_kernel = kernel
+            assert got.dtype == torch.bfloat16 and got.shape == x.shape
+            assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -8).all()
 
 
 def attached(model) -> Counter:

@@ -108,10 +108,9 @@ class NormKernel:
         return x.dtype == torch.bfloat16 and x.numel() <= NORM_KERNEL_MAX and plain_cpu(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.detach().contiguous().view(torch.int16).view(-1, x.shape[-1])
-        out = torch.empty(x.shape, dtype=torch.bfloat16)
-        self.kernels.rms_norm_bf16(rows.numpy(), self.scale, self.eps, out.view(torch.int16).view(rows.shape).numpy())
-        return out
+        rows, out = bf16_arrays(x)
+        self.kernels.rms_norm_bf16(rows, self.scale, self.eps, out)
+        return bf16_tensor(out, x.shape)
 
 
 MOE_PARTS = ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate",
@@ -158,12 +157,24 @@ class MoeStepKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """The block's output for decoding rows x [N, H] (bf16)."""
-        rows = x.detach().contiguous().view(torch.int16)
-        out = torch.empty(x.shape, dtype=torch.bfloat16)
+        rows, out = bf16_arrays(x)
         with LOCK:
             set_threads(self.kernels)
-            self.kernels.sparse_moe_step(*self.arrays, rows.numpy(), out.view(torch.int16).numpy())
-        return out
+            self.kernels.sparse_moe_step(*self.arrays, rows, out)
+        return bf16_tensor(out, x.shape)
+
+
+# numpy and torch.from_numpy rather than torch's own calls: a torch call costs a few microseconds, numpy's less
+def bf16_arrays(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The bit patterns of x's bf16 rows (int16 [N, D]) and an empty array of their shape for a kernel's output."""
+    rows = x.detach().contiguous().view(torch.int16).numpy()
+    rows = rows.reshape(-1, rows.shape[-1])
+    return rows, np.empty(rows.shape, np.int16)
+
+
+def bf16_tensor(bits: np.ndarray, shape: torch.Size) -> torch.Tensor:
+    """bf16 bit patterns (int16) as a bf16 tensor of `shape`, sharing their memory."""
+    return torch.from_numpy(bits.reshape(shape)).view(torch.bfloat16)
 
 
 def dense_kernel(matrix: nn.Module | torch.Tensor, kernels: ModuleType) -> DenseKernel | None:
