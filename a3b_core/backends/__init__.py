@@ -9,7 +9,8 @@ text model's dense matrices are quantised first (dense.py); an owner whose input
 Linears is not fused. Quantised expert stores and FP8 dense layers (experts.py) are built by the family's loader;
 int8, int4, FP8 and bf16 ones on the CPU compute a decoding step's routed experts in one numba call per layer
 (kernel_experts.py, cpu_kernels.py) when numba is there; with numba, a model whose compute dtype is not fp32 also
-decodes its int8, int4 and large bf16 dense products and its Gated DeltaNet steps in numba calls (kernel_steps.py).
+decodes its int8, int4 and large bf16 dense products and its Gated DeltaNet steps in numba calls, and a bf16
+model its MoE blocks' steps and its norms (kernel_steps.py).
 int4 matrices that no kernel computes are repacked for torch's int4 kernel.
 heap.py keeps the C heap's freed memory for reuse while a generation runs, when asked. The constants tuned for one
 CPU live in products.py, experts.py and kernel_steps.py and say which CPU.

@@ -1,6 +1,6 @@
 """The numba kernels of kernel_experts.py and kernel_steps.py: one layer's routed-expert step for a few rows in one
 compiled call, a dense matrix's product with a few rows, a quantised matrix dequantised (for products of many rows),
-and a Gated DeltaNet layer's decoding step.
+a Gated DeltaNet layer's decoding step, a Qwen3.5 MoE block's decoding step and RMSNorms of bf16 rows.
 
 Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row in
 loops over its contiguous bytes that LLVM vectorises (int8: converted as they are summed, the sum times the row's scale;
@@ -367,6 +367,24 @@ def bf16_rows(x):
 
 
 @njit(cache=True)
+def bf16_bits(values, out):
+    """fp32 values [N, D] rounded to bf16 (as round_bf16), their bit patterns into out (int16 [N, D])."""
+    bits = values.reshape(-1).view(np.int32)
+    dst = out.reshape(-1)
+    for k in range(bits.shape[0]):
+        dst[k] = np.int16(bf16_half(bits[k]) & 0xFFFF)
+
+
+@njit(cache=True)
+def bf16_matrix_rows(code, q, scale, x_bits, out_bits):
+    """matrix_rows for bf16 rows (int16 bit patterns [T, in]), the results rounded to bf16 into out_bits
+    (int16 [T, out])."""
+    out = np.empty(out_bits.shape, np.float32)
+    matrix_rows(code, q, scale, bf16_rows(x_bits), out)
+    bf16_bits(out, out_bits)
+
+
+@njit(cache=True)
 def bf16_product(code, q, scale, x):
     """The rows of x [T, in] (fp32) times a matrix held as one expert (matrix_rows), rounded to bf16: what a bf16
     model's dense product returns."""
@@ -425,10 +443,7 @@ def sparse_moe_step(router_q, mix_q, no_scale, code, gate_q, gate_scale, up_q, u
     for t in range(tokens):
         weight = np.ones(1, np.float32) / (1 + np.exp(-mix[t]))
         round_bf16(weight)
-        row = shared[t] * weight[0]
-        round_bf16(row)
-        row += routed[t]
-        round_bf16(row)
-        bits = row.view(np.int32)
-        for k in range(row.shape[0]):
-            out[t, k] = np.int16((bits[k] >> 16) & 0xFFFF)
+        shared[t] *= weight[0]
+    round_bf16(shared.reshape(-1))
+    shared += routed
+    bf16_bits(shared, out)

@@ -1,8 +1,10 @@
 """Decoding work other than the routed experts computed by the numba kernels (cpu_kernels.py), attached at load to
 the modules that call them: a dense matrix's product with a few rows (a quantised matrix's products of more rows take
-its kernel-dequantised weights), and a Gated DeltaNet layer's token step.
+its kernel-dequantised weights), a Gated DeltaNet layer's token step, a Qwen3.5 MoE block's whole token step, and
+RMSNorms of a few bf16 rows.
 
-A decoding step of the text model is mostly small products and many small torch calls, each with a fixed cost.
+A decoding step of the text model is mostly small products and many small torch calls, each with a fixed cost
+(2-6 us on a 2-core Xeon, where torch's RMSNorm of one 1024-wide bf16 row took ~75 us and the kernel's call ~18).
 - Dense products of up to GEMV_MAX_ROWS rows, those of decoding (QuantizedLinear in int8 and int4; CpuLinear and
   FusedLinear in bf16): torch's weight-only int8 kernel took 2-2.5x the kernel's time at every size from 64 to 1024 rows
   (1024 inputs, 2 threads, an AVX2 EPYC). bf16 is summed as torch's matrix-vector kernel does (fp32 sums of the exact
@@ -10,10 +12,16 @@ A decoding step of the text model is mostly small products and many small torch 
   us; 512 rows: 99 against 88 us): smaller bf16 matrices (routers, gates, small projections) keep torch's product.
 - A Gated DeltaNet layer's step from its input projections to its gated norm (the conv's step, the L2 norms, the
   delta rule on the fp32 state, the gated RMSNorm): about 40 torch calls become one.
-Both compute in fp32 (the DeltaNet step is the fp32 computation itself; torch's bf16 path rounds its intermediates to
-bf16), and a row's result does not depend on the other rows of a batch. They are attached only to models whose
-compute dtype is not fp32: the fp32 mode stays the reference's, layer for layer. Without numba (kernel_experts.py
-says when) nothing is attached and torch's path runs.
+- A sparse MoE block's step (router, top-k softmax, routed experts, shared expert and its sigmoid weight): about 25
+  torch calls and three kernel calls become one, with the block's intermediates rounded to bf16 where torch's bf16
+  path rounds them, so that it returns what the block computes with the separate kernels.
+- RMSNorms of a decoding step's bf16 rows (inputs [B, 1, ...]): each result rounded to bf16, as torch's (its sum
+  in another order: a result may differ by one bf16 rounding, so a prefill keeps torch's norm).
+The products and the DeltaNet step compute in fp32 (the DeltaNet step is the fp32 computation itself; torch's bf16
+path rounds its intermediates to bf16), and a row's result does not depend on the other rows of a batch. bf16 rows
+pass to and from the kernels as their bit patterns (int16), with no torch conversion. The kernels are attached only
+to models whose compute dtype is not fp32 (the norm and MoE step kernels: bf16): the fp32 mode stays the
+reference's, layer for layer. Without numba (kernel_experts.py says when) nothing is attached and torch's path runs.
 """
 from __future__ import annotations
 
@@ -34,7 +42,6 @@ from .kernel_experts import matrix as expert_matrix
 from .products import GEMV_MAX_ROWS, CpuLinear, FusedLinear
 
 BF16_KERNEL_MIN_ROWS = 1024
-NORM_KERNEL_MAX = 1 << 16  # elements normalised by the norm kernel in one call: decoding's rows, a short prefill's
 
 
 class DenseKernel:
@@ -56,6 +63,12 @@ class DenseKernel:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if x.numel() > GEMV_MAX_ROWS * x.shape[-1]:  # quantised (takes): no bias
             return dequantized_product(self.kernels, self.code, self.arrays, self.shape, 0, x)
+        if x.dtype == torch.bfloat16 and bias is None:  # bf16 in and out as bit patterns: no torch conversions
+            rows, out = bf16_arrays(x, self.shape[0])
+            with LOCK:
+                set_threads(self.kernels)
+                self.kernels.bf16_matrix_rows(self.code, *self.arrays, rows, out)
+            return bf16_tensor(out, (*x.shape[:-1], self.shape[0]))
         rows = x.detach().float().reshape(-1, x.shape[-1]).contiguous().numpy()
         out = torch.empty(*x.shape[:-1], self.shape[0])
         with LOCK:
@@ -95,8 +108,8 @@ class DeltaNetKernel:
 
 
 class NormKernel:
-    """An RMSNorm of a few bf16 rows by the numba kernel (cpu_kernels.rms_norm_bf16), for the RMSNorm that calls it
-    (models/layers.py). torch computes a norm in about ten calls on a short row, ~150 us on a 2-core Xeon; the kernel
+    """An RMSNorm of a decoding step's bf16 rows by the numba kernel (cpu_kernels.rms_norm_bf16), for the RMSNorm that
+    calls it (models/layers.py). torch computes a norm in about ten calls on a short row, ~150 us on a 2-core Xeon; the kernel
     takes a few. Holds the norm's scale (weight plus offset) in fp32."""
 
     def __init__(self, norm: nn.Module, kernels: ModuleType):
@@ -104,8 +117,10 @@ class NormKernel:
         self.scale = (norm.weight.detach().float() + norm.offset).contiguous().numpy()
         self.eps = np.float32(norm.eps)
 
-    def takes(self, x: torch.Tensor) -> bool:
-        return x.dtype == torch.bfloat16 and x.numel() <= NORM_KERNEL_MAX and plain_cpu(x)
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether x is a decoding step's (one token per sequence: [B, 1, ...]) plain bf16 CPU tensor."""
+        return x.dtype == torch.bfloat16 and x.dim() >= 3 and x.shape[1] == 1 and plain_cpu(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, out = bf16_arrays(x)
@@ -165,11 +180,12 @@ class MoeStepKernel:
 
 
 # numpy and torch.from_numpy rather than torch's own calls: a torch call costs a few microseconds, numpy's less
-def bf16_arrays(x: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """The bit patterns of x's bf16 rows (int16 [N, D]) and an empty array of their shape for a kernel's output."""
+def bf16_arrays(x: torch.Tensor, out_width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """The bit patterns of x's bf16 rows (int16 [N, D]) and an empty int16 array [N, out_width] (default D) for a
+    kernel's output."""
     rows = x.detach().contiguous().view(torch.int16).numpy()
     rows = rows.reshape(-1, rows.shape[-1])
-    return rows, np.empty(rows.shape, np.int16)
+    return rows, np.empty((len(rows), out_width or rows.shape[1]), np.int16)
 
 
 def bf16_tensor(bits: np.ndarray, shape: torch.Size) -> torch.Tensor:
@@ -262,17 +278,17 @@ def checked_step_kernels() -> ModuleType | None:
 
 
 def check_step_kernels(kernels: ModuleType) -> None:
-    """A product of two rows with a bf16, an int8 and an int4 matrix; a DeltaNet step from an empty state and
-    history, where the delta rule reduces to o = (q . k) * beta * v; an RMSNorm of three bf16 rows."""
+    """A product of two fp32 rows and of two bf16 rows with a bf16, an int8 and an int4 matrix; a DeltaNet step
+    from an empty state and history, where the delta rule reduces to o = (q . k) * beta * v; an RMSNorm of three bf16
+    rows."""
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(64, 64, generator=g).bfloat16(), torch.randn(2, 64, generator=g)
-    cases = [(DenseKernel("bf16", weight[None], kernels)(x), weight.float())]
-    for fmt in ("int8", "int4"):
-        quantised = QuantizedLinear(fmt, weight.float()).matrix
-        cases.append((DenseKernel(fmt, quantised, kernels)(x), quantised.dequantize(0)))
-    for got, matrix in cases:
-        if not torch.allclose(got, x @ matrix.t(), rtol=1e-4, atol=1e-4):
-            raise ValueError("the dense kernel's product differs from torch's")
+    matrices = {"bf16": weight[None], **{fmt: QuantizedLinear(fmt, weight.float()).matrix for fmt in ("int8", "int4")}}
+    for fmt, matrix in matrices.items():
+        kernel, exact = DenseKernel(fmt, matrix, kernels), (matrix[0] if fmt == "bf16" else matrix.dequantize(0)).float()
+        for rows, bound in ((x, 1e-4), (x.bfloat16(), 1e-2)):  # bf16: the result rounded to bf16
+            if not torch.allclose(kernel(rows).float(), rows.float() @ exact.t(), rtol=bound, atol=bound):
+                raise ValueError("the dense kernel's product differs from torch's")
     heads, dim, taps = 2, 16, 4
     qkv, z = torch.randn(1, 1, 3 * heads * dim, generator=g), torch.randn(1, 1, heads * dim, generator=g)
     beta, a = torch.randn(1, 1, heads, generator=g), torch.randn(1, 1, heads, generator=g)
