@@ -67,7 +67,7 @@ class DenseKernel:
             rows, out = bf16_arrays(x, self.shape[0])
             with LOCK:
                 set_threads(self.kernels)
-                self.kernels.bf16_matrix_rows(self.code, *self.arrays, rows, out)
+                self.kernels.bf16_matrix_rows(self.code, *self.arrays, rows, out.numpy())
             return bf16_tensor(out, (*x.shape[:-1], self.shape[0]))
         rows = x.detach().float().reshape(-1, x.shape[-1]).contiguous().numpy()
         out = torch.empty(*x.shape[:-1], self.shape[0])
@@ -124,7 +124,7 @@ class NormKernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, out = bf16_arrays(x)
-        self.kernels.rms_norm_bf16(rows, self.scale, self.eps, out)
+        self.kernels.rms_norm_bf16(rows, self.scale, self.eps, out.numpy())
         return bf16_tensor(out, x.shape)
 
 
@@ -175,22 +175,22 @@ class MoeStepKernel:
         rows, out = bf16_arrays(x)
         with LOCK:
             set_threads(self.kernels)
-            self.kernels.sparse_moe_step(*self.arrays, rows, out)
+            self.kernels.sparse_moe_step(*self.arrays, rows, out.numpy())
         return bf16_tensor(out, x.shape)
 
 
-# numpy and torch.from_numpy rather than torch's own calls: a torch call costs a few microseconds, numpy's less
-def bf16_arrays(x: torch.Tensor, out_width: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """The bit patterns of x's bf16 rows (int16 [N, D]) and an empty int16 array [N, out_width] (default D) for a
-    kernel's output."""
+def bf16_arrays(x: torch.Tensor, out_width: int | None = None) -> tuple[np.ndarray, torch.Tensor]:
+    """The bit patterns of x's bf16 rows (int16 [N, D], a numpy view) and an empty int16 tensor [N, out_width]
+    (default D) for a kernel's output. The output is torch's own allocation, not numpy's: torch's kernels may assume
+    its 64-byte alignment (its int8 weight-only product crashes on a row numpy allocated)."""
     rows = x.detach().contiguous().view(torch.int16).numpy()
     rows = rows.reshape(-1, rows.shape[-1])
-    return rows, np.empty((len(rows), out_width or rows.shape[1]), np.int16)
+    return rows, torch.empty((len(rows), out_width or rows.shape[1]), dtype=torch.int16)
 
 
-def bf16_tensor(bits: np.ndarray, shape: torch.Size) -> torch.Tensor:
-    """bf16 bit patterns (int16) as a bf16 tensor of `shape`, sharing their memory."""
-    return torch.from_numpy(bits.reshape(shape)).view(torch.bfloat16)
+def bf16_tensor(bits: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A kernel's output bit patterns (int16) as the bf16 tensor of `shape` they are."""
+    return bits.view(torch.bfloat16).view(shape)
 
 
 def dense_kernel(matrix: nn.Module | torch.Tensor, kernels: ModuleType) -> DenseKernel | None:
