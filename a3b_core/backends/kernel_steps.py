@@ -51,7 +51,7 @@ class DenseKernel:
     products of more rows take its kernel-dequantised weights and torch's product, as the routed experts' do."""
 
     def __init__(self, fmt: str, stack: nn.Module | torch.Tensor, kernels: ModuleType):
-        self.code, self.kernels = FORMAT_CODES[fmt], kernels
+        self.fmt, self.code, self.kernels = fmt, FORMAT_CODES[fmt], kernels
         self.arrays = kernel_arrays(fmt, stack)
         self.quantised = fmt != "bf16"
         self.shape = tuple(stack.shape[1:])  # (out, in)
@@ -109,8 +109,8 @@ class DeltaNetKernel:
 
 class NormKernel:
     """An RMSNorm of a decoding step's bf16 rows by the numba kernel (cpu_kernels.rms_norm_bf16), for the RMSNorm that
-    calls it (models/layers.py). torch computes a norm in about ten calls on a short row, ~150 us on a 2-core Xeon; the kernel
-    takes a few. Holds the norm's scale (weight plus offset) in fp32."""
+    calls it (models/layers.py): torch computes a norm in about ten small calls. Holds the norm's scale (weight plus
+    offset) in fp32."""
 
     def __init__(self, norm: nn.Module, kernels: ModuleType):
         self.kernels = kernels
@@ -160,9 +160,9 @@ class MoeStepKernel:
         if not isinstance(moe.experts, KernelExperts) or any(p is None for p in parts):
             return None
         router, gate, up, mix, down = parts
-        if router.code != FORMAT_CODES["bf16"] or mix.code != router.code or not gate.code == up.code == down.code:
+        if router.fmt != "bf16" or mix.fmt != "bf16" or not gate.fmt == up.fmt == down.fmt:
             return None
-        if not checked_moe_step(gate.code, moe.experts.fmt):
+        if not checked_moe_step(gate.fmt, moe.experts.fmt):
             return None
         return cls(dict(zip(MOE_PARTS, parts)), moe.experts, moe.cfg.num_experts_per_tok, kernels)
 
@@ -207,13 +207,13 @@ def dense_kernel(matrix: nn.Module | torch.Tensor, kernels: ModuleType) -> Dense
 
 
 @cache
-def checked_moe_step(code: int, routed: str) -> bool:
-    """Whether the MoE step compiles for shared-expert matrices in format `code` and routed experts in `routed`, and
+def checked_moe_step(shared: str, routed: str) -> bool:
+    """Whether the MoE step compiles for shared-expert matrices in format `shared` and routed experts in `routed`, and
     reproduces a small block's step (two rows, four experts, top 2, routing margins far above bf16's rounding): the
     compile happens at load, not in the middle of a generation. False with a warning if not."""
     kernels = compiled_kernels()
     try:
-        check_moe_step(kernels, next(f for f, c in FORMAT_CODES.items() if c == code), routed)
+        check_moe_step(kernels, shared, routed)
     except Exception as exc:  # numba's compile errors have many types; any failure means torch's path
         warnings.warn(f"a3b_core: numba could not compile the CPU MoE step ({exc}); using separate kernel calls.",
                       stacklevel=2)
