@@ -32,8 +32,7 @@ INT8, FP8, BF16, INT4 = 0, 1, 2, 3
 FP8_BLOCK = 128  # the released FP8 checkpoints' scale blocks (backends.experts.FP8_BLOCK)
 ROW_BLOCK = 16  # output rows per parallel work item: small enough to balance threads over one expert's rows
 E4M3_BITS = np.int32(-0x78000001)  # 0x87FFFFFF: sign, fp32 exponent and mantissa bits an e4m3 byte fills
-E4M3_BIAS = np.int32(120 << 23)  # fp32's exponent bias less e4m3's, in the exponent's place
-E4M3_SUBNORMAL = np.float32(2.0 ** -6)  # e4m3's smallest normal: subtracted from a subnormal's normal reading
+E4M3_SCALE = np.float32(2.0 ** 120)  # fp32's exponent bias less e4m3's
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorised); no assumption that values are finite
 
 
@@ -53,23 +52,10 @@ def nibbles(byte):
 
 @njit(cache=True, fastmath=FAST, inline="always")
 def e4m3_bits(byte):
-    """An e4m3 byte (int8) as the bits of an fp32: sign-extended and shifted so that its 7 low bits land at fp32's
-    exponent and mantissa and its sign at the top, the sign's copies in between cleared, the exponent rebiased. A
-    normal code reads as its value; a zero or subnormal one (exponent 0) as the normal 2^-6 * (1 + m/8), from which
-    e4m3_offset's 2^-6 is subtracted (exact): the values stay normal fp32 numbers, where on Intel CPUs a product with
-    a subnormal fp32 (an earlier reading at 2^-120 times the value) took microcode assists, 2.3-2.8x the time of the
-    whole FP8 row. NaN codes (no released checkpoint holds them) read as 480."""
-    value = np.int32(byte)
-    subnormal = np.int32((value & 0x78) == 0) << 23
-    return ((value << 20) & E4M3_BITS) + E4M3_BIAS + subnormal
-
-
-@njit(cache=True, fastmath=FAST, inline="always")
-def e4m3_offset(byte):
-    """What to subtract from the reading of e4m3_bits: +-2^-6 for a zero or subnormal code, else 0."""
-    if (np.int32(byte) & 0x78) != 0:
-        return np.float32(0.0)
-    return -E4M3_SUBNORMAL if byte < 0 else E4M3_SUBNORMAL
+    """An e4m3 byte (int8) as the bits of an fp32 of 2^-120 times its value: sign-extended and shifted so that its 7
+    low bits land at fp32's exponent and mantissa and its sign at the top, the sign's copies in between cleared
+    (e4m3 subnormals become fp32 subnormals, exact). NaN codes (no released checkpoint holds them) read as 480."""
+    return (np.int32(byte) << 20) & E4M3_BITS
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
@@ -124,9 +110,9 @@ def row_dot(fmt, q, scale, e, r, x, sums, bits):
     for cb in range(scale.shape[2]):
         block = np.float32(0.0)
         for k in range(cb * FP8_BLOCK, min(n, cb * FP8_BLOCK + FP8_BLOCK)):
-            block += (values[k] - e4m3_offset(src[k])) * x[k]
+            block += values[k] * x[k]
         acc += block * scale[e, r // FP8_BLOCK, cb]
-    return acc
+    return acc * E4M3_SCALE
 
 
 # not fastmath: a vectorised sum's order could depend on the row's place in x, and a row's result must not
@@ -241,9 +227,9 @@ def dequantize_row(fmt, q, scale, e, r, dst):
         for k in range(n):
             bits[k] = e4m3_bits(src[k])
         for cb in range(scale.shape[2]):
-            block_scale = scale[e, r // FP8_BLOCK, cb]
+            block_scale = scale[e, r // FP8_BLOCK, cb] * E4M3_SCALE
             for k in range(cb * FP8_BLOCK, min(n, cb * FP8_BLOCK + FP8_BLOCK)):
-                dst[k] = (dst[k] - e4m3_offset(src[k])) * block_scale
+                dst[k] *= block_scale
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)
