@@ -1,10 +1,11 @@
 """Decoding work other than the routed experts computed by the numba kernels (cpu_kernels.py), attached at load to
 the modules that call them: a dense matrix's product with a few rows (a quantised matrix's products of more rows take
 its kernel-dequantised weights), a Gated DeltaNet layer's token step, a Qwen3.5 MoE block's whole token step, and
-RMSNorms of a few bf16 rows.
+RMSNorms of a decoding step's bf16 rows.
 
 A decoding step of the text model is mostly small products and many small torch calls, each with a fixed cost
-(2-6 us on a 2-core Xeon, where torch's RMSNorm of one 1024-wide bf16 row took ~75 us and the kernel's call ~18).
+(2-6 us on a 2-core Xeon, where torch's RMSNorm of one 1024-wide bf16 row took 2.5-2.7x the norm kernel's call:
+31-34 against 12 us in one window).
 - Dense products of up to GEMV_MAX_ROWS rows, those of decoding (QuantizedLinear in int8 and int4; CpuLinear and
   FusedLinear in bf16): torch's weight-only int8 kernel took 2-2.5x the kernel's time at every size from 64 to 1024 rows
   (1024 inputs, 2 threads, an AVX2 EPYC). bf16 is summed as torch's matrix-vector kernel does (fp32 sums of the exact
