@@ -33,6 +33,7 @@ FP8_BLOCK = 128  # the released FP8 checkpoints' scale blocks (backends.experts.
 ROW_BLOCK = 16  # output rows per parallel work item: small enough to balance threads over one expert's rows
 E4M3_BITS = np.int32(-0x78000001)  # 0x87FFFFFF: sign, fp32 exponent and mantissa bits an e4m3 byte fills
 E4M3_SCALE = np.float32(2.0 ** 120)  # fp32's exponent bias less e4m3's
+FP8_INPUT_SCALE = np.float32(2.0 ** 64)  # FP8 rows' activations are multiplied by it (row_extras)
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorised); no assumption that values are finite
 
 
@@ -73,10 +74,10 @@ def nibble_dot(row, x, g, half):
 
 # inlined where it is called (numba's own inlining): as a called function its loops ran 1.5x slower on an AVX2 EPYC
 @njit(cache=True, fastmath=FAST, inline="always")
-def row_dot(fmt, q, scale, e, r, x, sums, bits):
+def row_dot(fmt, q, scale, e, r, x, extra, bits):
     """Row r of expert e's matrix (scales applied) dotted with x, in fp32, in loops over the row's contiguous bytes
-    that LLVM vectorises. `sums` holds x's int4 group sums (group_sums); `bits` is int32 scratch of at least the
-    row's length (FP8, bf16)."""
+    that LLVM vectorises. `extra` is what row_extras made of x for the format (int4: its group sums; FP8: x times
+    FP8_INPUT_SCALE); `bits` is int32 scratch of at least the row's length (FP8, bf16)."""
     acc = np.float32(0.0)
     if fmt == INT8:
         width = q.shape[3]
@@ -95,7 +96,7 @@ def row_dot(fmt, q, scale, e, r, x, sums, bits):
         for g in range(groups):
             # groups of 128 with the loop's length a constant: 1.15x on an AVX2 EPYC
             dot = nibble_dot(src, x, g, 64) if half == 64 else nibble_dot(src, x, g, half)
-            acc += dot * scale_min[2 * g] + sums[g] * scale_min[2 * g + 1]
+            acc += dot * scale_min[2 * g] + extra[g] * scale_min[2 * g + 1]
         return acc
     if fmt == BF16:  # bf16 is the top half of fp32: the bits sign-extended, shifted into place
         for k in range(n):
@@ -110,15 +111,20 @@ def row_dot(fmt, q, scale, e, r, x, sums, bits):
     for cb in range(scale.shape[2]):
         block = np.float32(0.0)
         for k in range(cb * FP8_BLOCK, min(n, cb * FP8_BLOCK + FP8_BLOCK)):
-            block += values[k] * x[k]
+            block += values[k] * extra[k]
         acc += block * scale[e, r // FP8_BLOCK, cb]
-    return acc * E4M3_SCALE
+    return acc * (E4M3_SCALE / FP8_INPUT_SCALE)
 
 
 # not fastmath: a vectorised sum's order could depend on the row's place in x, and a row's result must not
 @njit(cache=True)
-def group_sums(fmt, scale, x):
-    """For int4, each row of x [T, in] summed over each group of inputs ([T, groups]); nothing for the others."""
+def row_extras(fmt, scale, x):
+    """What row_dot reads of each row of x [T, in] besides x. int4: the row summed over each group of inputs
+    ([T, groups]). FP8: the row times FP8_INPUT_SCALE ([T, in]): an e4m3 weight reads as 2^-120 times its value, and
+    its products with activations would often fall below fp32's normal range, which Intel CPUs compute with
+    microcode assists (2-3x an FP8 row's time). Nothing for the others."""
+    if fmt == FP8:
+        return x * FP8_INPUT_SCALE
     if fmt != INT4:
         return np.zeros((x.shape[0], 1), np.float32)
     groups = scale.shape[2] // 2
@@ -155,7 +161,7 @@ def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, out
     # a work item is a block of one expert's intermediate rows: its gate rows, its up rows (each a contiguous run
     # of weights), then SiLU(gate) * up
     act = np.empty((slots, inter), np.float32)
-    x_sums = group_sums(fmt, gu_scale, x)
+    x_extras = row_extras(fmt, gu_scale, x)
     blocks = (inter + ROW_BLOCK - 1) // ROW_BLOCK
     for item in prange(used * blocks):
         u, b = item // blocks, item % blocks
@@ -166,15 +172,15 @@ def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, out
             if expert_of[s] == u:
                 t = s // top_k
                 for i in range(first, end):
-                    gate[i - first] = row_dot(fmt, gu_q, gu_scale, experts[u], i, x[t], x_sums[t], bits)
+                    gate[i - first] = row_dot(fmt, gu_q, gu_scale, experts[u], i, x[t], x_extras[t], bits)
                 for i in range(first, end):
                     g = gate[i - first]
                     act[s, i] = g / (1 + np.exp(-g)) * row_dot(fmt, gu_q, gu_scale, experts[u], inter + i, x[t],
-                                                               x_sums[t], bits)
+                                                               x_extras[t], bits)
 
     # a work item is a block of output rows, read expert by expert: each row's experts summed in its routing's
     # order, so a row's result does not depend on the other rows of the call
-    act_sums = group_sums(fmt, dn_scale, act)
+    act_extras = row_extras(fmt, dn_scale, act)
     blocks = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
     for b in prange(blocks):
         first, end = b * ROW_BLOCK, min(hidden, b * ROW_BLOCK + ROW_BLOCK)
@@ -184,7 +190,7 @@ def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, out
                 s = t * top_k + j
                 for r in range(first, end):
                     out[t, r] += weights[t, j] * row_dot(fmt, dn_q, dn_scale, experts[expert_of[s]], r, act[s],
-                                                         act_sums[s], bits)
+                                                         act_extras[s], bits)
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)
@@ -192,14 +198,14 @@ def matrix_rows(fmt, q, scale, x, out):
     """out[t] = W x[t] for a dense matrix W held as one expert's (q [1, ...], scale as routed_step's); x [T, in] fp32,
     out [T, out] fp32. A work item is a block of W's rows, read once for all of x's rows."""
     rows = q.shape[2]
-    sums = group_sums(fmt, scale, x)
+    extras = row_extras(fmt, scale, x)
     blocks = (rows + ROW_BLOCK - 1) // ROW_BLOCK
     for b in prange(blocks):
         first, end = b * ROW_BLOCK, min(rows, b * ROW_BLOCK + ROW_BLOCK)
         bits = np.empty(x.shape[1], np.int32)
         for t in range(x.shape[0]):
             for r in range(first, end):
-                out[t, r] = row_dot(fmt, q, scale, 0, r, x[t], sums[t], bits)
+                out[t, r] = row_dot(fmt, q, scale, 0, r, x[t], extras[t], bits)
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
