@@ -345,20 +345,16 @@ def gated_delta_step(qkv, z, beta_in, a_in, conv_w, history, a_log, dt_bias, nor
 def rms_norm_bf16(x, weight, eps, out):
     """RMSNorm of bf16 rows (bit patterns, int16 [N, D]) times weight (fp32 [D]), in fp32, each result rounded to
     bf16 into out (int16 [N, D]): torch's F.rms_norm of the rows in fp32, then .to(bfloat16)."""
-    n, d = x.shape
-    row = np.empty(d, np.float32)
-    bits = row.view(np.int32)
-    for t in range(n):
-        for k in range(d):
-            bits[k] = np.int32(x[t, k]) << 16
+    rows = bf16_rows(x)
+    d = rows.shape[1]
+    for row in rows:
         squares = np.float32(0.0)
         for k in range(d):
             squares += row[k] * row[k]
         scale = np.float32(1.0) / np.sqrt(squares / d + eps)
         for k in range(d):
             row[k] = row[k] * scale * weight[k]
-        for k in range(d):
-            out[t, k] = np.int16(bf16_half(bits[k]) & 0xFFFF)
+    bf16_bits(rows, out)
 
 
 @njit(cache=True)
@@ -438,18 +434,21 @@ def sparse_moe_step(router_q, mix_q, no_scale, code, gate_q, gate_scale, up_q, u
     routed = np.zeros(x.shape, np.float32)
     routed_step(routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, routed)
     round_bf16(routed.reshape(-1))
-    # the shared expert: SiLU(gate) rounded, times up rounded, down; times the sigmoid of its mixing weight
-    act = gate.reshape(-1)
+    # the shared expert: SiLU(gate) rounded, times up rounded, down; times the sigmoid of its mixing weight (each
+    # step in place, rounded where torch rounds it)
+    act = gate.reshape(-1)  # gate's own storage: gate [T, I] becomes the activation
     for k in range(act.shape[0]):
         act[k] = act[k] / (1 + np.exp(-act[k]))
     round_bf16(act)
     act *= up.reshape(-1)
     round_bf16(act)
     shared = bf16_product(code, down_q, down_scale, gate)
+    mix_weight = mix.reshape(-1)  # [T]
     for t in range(tokens):
-        weight = np.ones(1, np.float32) / (1 + np.exp(-mix[t]))
-        round_bf16(weight)
-        shared[t] *= weight[0]
+        mix_weight[t] = 1 / (1 + np.exp(-mix_weight[t]))
+    round_bf16(mix_weight)
+    for t in range(tokens):
+        shared[t] *= mix_weight[t]
     round_bf16(shared.reshape(-1))
     shared += routed
     bf16_bits(shared, out)
