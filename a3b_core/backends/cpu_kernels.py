@@ -82,6 +82,23 @@ def nibble_dot(row, x, g, half):
     return low + high
 
 
+@njit(cache=True, fastmath=FAST, inline="always")
+def e4m3_dot(src, x, first, length):
+    """e4m3 bytes src[first:first + length] dotted with x[first:first + length] (the weights read as e4m3_value)."""
+    block = np.float32(0.0)
+    for k in range(first, first + length):
+        block += e4m3_value(src[k]) * x[k]
+    return block
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def e4m3_scaled(src, first, length, block_scale, dst):
+    """e4m3 bytes src[first:first + length] times block_scale, in fp32, into dst[first:first + length]."""
+    factor = block_scale * E4M3_SCALE
+    for k in range(first, first + length):
+        dst[k] = e4m3_value(src[k]) * factor
+
+
 # inlined where it is called (numba's own inlining): as a called function its loops ran 1.5x slower on an AVX2 EPYC
 @njit(cache=True, fastmath=FAST, inline="always")
 def row_dot(fmt, q, scale, e, r, x, extra):
@@ -109,14 +126,17 @@ def row_dot(fmt, q, scale, e, r, x, extra):
             acc += dot * scale_min[2 * g] + extra[g] * scale_min[2 * g + 1]
         return acc
     if fmt == BF16:
-        for k in range(n):
+        for k in range(src.shape[0]):
             acc += bf16_value(src[k]) * x[k]
         return acc
-    for cb in range(scale.shape[2]):
-        block = np.float32(0.0)
-        for k in range(cb * FP8_BLOCK, min(n, cb * FP8_BLOCK + FP8_BLOCK)):
-            block += e4m3_value(src[k]) * extra[k]
-        acc += block * scale[e, r // FP8_BLOCK, cb]
+    # whole blocks, then a partial one: with the block loop bounded by n // FP8_BLOCK, not by scale's shape, LLVM
+    # vectorises the inner loop (6x an FP8 row's speed on an AVX-512 Xeon)
+    whole = n // FP8_BLOCK
+    block_scales = scale[e, r // FP8_BLOCK]
+    for cb in range(whole):
+        acc += e4m3_dot(src, extra, cb * FP8_BLOCK, FP8_BLOCK) * block_scales[cb]
+    if whole * FP8_BLOCK < n:
+        acc += e4m3_dot(src, extra, whole * FP8_BLOCK, n - whole * FP8_BLOCK) * block_scales[whole]
     return acc * (E4M3_SCALE / FP8_INPUT_SCALE)
 
 
@@ -230,11 +250,12 @@ def dequantize_row(fmt, q, scale, e, r, dst):
                 dst[first + j] = low_nibble * step + low
                 dst[first + half + j] = high_nibble * step + low
     else:
-        src = q[e, 0, r]
-        for cb in range(scale.shape[2]):
-            block_scale = scale[e, r // FP8_BLOCK, cb] * E4M3_SCALE
-            for k in range(cb * FP8_BLOCK, min(n, cb * FP8_BLOCK + FP8_BLOCK)):
-                dst[k] = e4m3_value(src[k]) * block_scale
+        src, block_scales = q[e, 0, r], scale[e, r // FP8_BLOCK]
+        whole = n // FP8_BLOCK  # whole blocks, then a partial one: see row_dot
+        for cb in range(whole):
+            e4m3_scaled(src, cb * FP8_BLOCK, FP8_BLOCK, block_scales[cb], dst)
+        if whole * FP8_BLOCK < n:
+            e4m3_scaled(src, whole * FP8_BLOCK, n - whole * FP8_BLOCK, block_scales[whole], dst)
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)
