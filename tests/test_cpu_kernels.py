@@ -230,3 +230,23 @@ def test_every_fp8_code_reads_as_torchs_e4m3(one_thread):
     x, top_i, top_p = routing(3)
     got = KernelExperts(store, compiled_kernels()).routed_step(x, top_i, top_p)
     assert relative_error(got, fp64_step(store, x, top_i, top_p)) < EXACT_BOUND
+
+
+def test_fp8_partial_scale_blocks(one_thread):
+    """FP8 matrices whose sides are not multiples of 128 (the last scale block partial in both directions): the routed
+    step and the dequantised matrices equal the store's own weights, as whole blocks do."""
+    hidden, inter = 200, 72  # gate_up [144, 200]: one whole block and a partial one; down [200, 72]: one partial
+    g = torch.Generator().manual_seed(3)
+    store = QuantizedExperts("fp8", EXPERTS, hidden, inter)
+    for e in range(EXPERTS):
+        store.gate_up_proj.set(e, torch.randn(2 * inter, hidden, generator=g) * 0.05)
+        store.down_proj.set(e, torch.randn(hidden, inter, generator=g) * 0.05)
+    x = torch.randn(3, hidden, generator=g)
+    _, top_i, top_p = routing(3)
+    kernel = KernelExperts(store, compiled_kernels())
+    assert relative_error(kernel.routed_step(x, top_i, top_p), fp64_step(store, x, top_i, top_p)) < EXACT_BOUND
+    for matrices, stack in ((kernel.gate_up_proj, store.gate_up_proj), (kernel.down_proj, store.down_proj)):
+        for e in range(EXPERTS):
+            weight = dequantized(compiled_kernels(), FORMAT_CODES["fp8"], matrices.arrays, matrices.shape[1:], e,
+                                 torch.float32)
+            assert torch.equal(weight, stack.dequantize(e).float())
