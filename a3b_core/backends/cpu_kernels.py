@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 INT8, FP8, BF16, INT4 = 0, 1, 2, 3
 FP8_BLOCK = 128  # the released FP8 checkpoints' scale blocks (backends.experts.FP8_BLOCK)
@@ -35,6 +38,7 @@ E4M3_BITS = np.int32(-0x78000001)  # 0x87FFFFFF: sign, fp32 exponent and mantiss
 E4M3_SCALE = np.float32(2.0 ** 120)  # fp32's exponent bias less e4m3's
 FP8_INPUT_SCALE = np.float32(2.0 ** 64)  # FP8 rows' activations are multiplied by it (row_extras)
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorised); no assumption that values are finite
+PREFETCH_BYTES = 4096  # how far ahead of the row being read row_dot asks for the next rows' cache lines
 
 
 def set_threads(threads: int) -> None:
@@ -49,6 +53,38 @@ def nibbles(byte):
     value = np.float32(byte)
     high = np.floor(value * np.float32(0.0625))
     return value - np.float32(16.0) * high, high
+
+
+@intrinsic
+def prefetch(typingctx, array, index):
+    """Asks the CPU to bring the cache line of array[index] (1-D) into its caches, to be read (llvm.prefetch)."""
+    def codegen(context, builder, signature, args):
+        array_type = signature.args[0]
+        view = context.make_array(array_type)(context, builder, args[0])
+        address = cgutils.get_item_pointer(context, builder, array_type, view, [args[1]], wraparound=False)
+        byte_pointer = ir.IntType(8).as_pointer()
+        int32 = ir.IntType(32)
+        function = builder.module.declare_intrinsic(
+            "llvm.prefetch", [byte_pointer], ir.FunctionType(ir.VoidType(), [byte_pointer, int32, int32, int32]))
+        # a read (0), kept in every cache level (3), of data (1)
+        builder.call(function, [builder.bitcast(address, byte_pointer), int32(0), int32(3), int32(1)])
+        return context.get_dummy_value()
+    return types.void(array, index), codegen
+
+
+@njit(cache=True, inline="always")
+def prefetch_ahead(q, e, r):
+    """Prefetches the row PREFETCH_BYTES ahead of row r of expert e's matrix, if the matrix has one. One thread reading
+    one row at a time from memory keeps too few cache misses in flight: on a 2-vCPU AVX-512 Xeon the int8 rows of a
+    64 MiB matrix read at 9-12 GB/s (two threads) without, 14-16 with."""
+    row_bytes = q.shape[1] * q.shape[3] * q.itemsize
+    ahead = r + max(1, PREFETCH_BYTES // row_bytes)
+    if ahead < q.shape[2]:
+        step = max(1, 64 // q.itemsize)  # a cache line's elements
+        for c in range(q.shape[1]):
+            row = q[e, c, ahead]
+            for k in range(0, row.shape[0], step):
+                prefetch(row, k)
 
 
 # The two readings below reinterpret an int32's bits as fp32 inside the loop that uses the value: LLVM vectorises the
@@ -106,6 +142,8 @@ def row_dot(fmt, q, scale, e, r, x, extra):
     that LLVM vectorises. `extra` is what row_extras made of x for the format (int4: its group sums; FP8: x times
     FP8_INPUT_SCALE)."""
     acc = np.float32(0.0)
+    if fmt == INT8 or fmt == BF16:  # int4 and FP8 rows are computed slower than memory delivers them (prefetching
+        prefetch_ahead(q, e, r)     # them cost 0-10% of a routed step)
     if fmt == INT8:
         width = q.shape[3]
         for c in range(q.shape[1]):
