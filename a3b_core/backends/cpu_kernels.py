@@ -7,7 +7,8 @@ loops over its contiguous bytes that LLVM vectorises (int8: converted as they ar
 int4: a group's low and high nibbles summed against the group's two halves, times the group's scale, plus its minimum
 times the activations' group sum; FP8 e4m3 and bf16: turned into fp32 by shifting bits, with no table, FP8's 128-column
 block sums times their block's scale); a parallel work item reads a block of consecutive rows of one expert, so the
-weights stream from memory in long runs. A chosen expert's rows are read once per call however many activation rows
+weights stream from memory in long runs, and int8 and bf16 rows, read faster than one thread's cache misses arrive,
+ask for the rows ahead of them (prefetch_ahead). A chosen expert's rows are read once per call however many activation rows
 routed to it (the repeats hit the cache), and each row's result is the same whatever other rows share the call (batches
 decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32 rounding of a sum,
 far below the formats' own.
