@@ -34,21 +34,21 @@ HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 1024, 512, 64, 8, 16
 
 
 def random_store(fmt: str, g: torch.Generator) -> QuantizedExperts | CpuFloatExperts:
-    """A layer's experts in `fmt` with random contents (valid codes and scales; quantising real matrices would take
-    minutes and read no differently); bf16 as loading places float experts on the CPU. FP8 codes are normal values
-    cast to e4m3 as a block-scaled checkpoint holds them (the block's largest near 448): uniform random bytes would
-    make 1 code in 16 subnormal, against about 1 in 10,000 in a real checkpoint, and subnormal weights take
-    microcode assists on Intel CPUs."""
+    """A layer's experts in `fmt` with random contents; bf16 as loading places float experts on the CPU. int8 and int4
+    are random valid codes and scales (quantising real matrices would take minutes and read no differently). FP8 is
+    random matrices quantised as the released checkpoints are (128x128 blocks, the largest code near 448): uniform
+    random bytes would make 1 code in 16 subnormal, against about 1 in 10,000 in a real checkpoint, and subnormal
+    weights take microcode assists on Intel CPUs."""
     if fmt == "bf16":
         return CpuFloatExperts(*(torch.nn.Parameter(torch.randn(shape, generator=g).bfloat16() * 0.02)
                                  for shape in ((EXPERTS, 2 * INTER, HIDDEN), (EXPERTS, HIDDEN, INTER))))
     store = QuantizedExperts(fmt, EXPERTS, HIDDEN, INTER)
     for stack in (store.gate_up_proj, store.down_proj):
         if fmt == "fp8":
-            values = torch.randn(stack.q.shape, generator=g) * 100
-            raw = values.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8)
-        else:
-            raw = torch.randint(0, 256, stack.q.shape, generator=g, dtype=torch.uint8)
+            for e in range(EXPERTS):
+                stack.set(e, torch.randn(stack.shape[1:], generator=g) * 0.02)
+            continue
+        raw = torch.randint(0, 256, stack.q.shape, generator=g, dtype=torch.uint8)
         stack.q.copy_(raw.view(stack.q.dtype))
         stack.scale.copy_(torch.rand(stack.scale.shape, generator=g) * 0.01)
     return store

@@ -8,10 +8,10 @@ int4: a group's low and high nibbles summed against the group's two halves, time
 times the activations' group sum; FP8 e4m3 and bf16: turned into fp32 by shifting bits, with no table, FP8's 128-column
 block sums times their block's scale); a parallel work item reads a block of consecutive rows of one expert, so the
 weights stream from memory in long runs, and int8 and bf16 rows, read faster than one thread's cache misses arrive,
-ask for the rows ahead of them (prefetch_ahead). A chosen expert's rows are read once per call however many activation rows
-routed to it (the repeats hit the cache), and each row's result is the same whatever other rows share the call (batches
-decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32 rounding of a sum,
-far below the formats' own.
+ask for the rows ahead of them (prefetch_ahead). A chosen expert's rows are read once per call however many
+activation rows routed to it (the repeats hit the cache), and each row's result is the same whatever other rows share
+the call (batches decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an
+fp32 rounding of a sum, far below the formats' own.
 
 Arrays (all C-contiguous, so three compiled signatures of each kernel serve the four formats, each compiled once
 per machine; a dense matrix is held as one expert):
@@ -143,8 +143,9 @@ def row_dot(fmt, q, scale, e, r, x, extra):
     that LLVM vectorises. `extra` is what row_extras made of x for the format (int4: its group sums; FP8: x times
     FP8_INPUT_SCALE)."""
     acc = np.float32(0.0)
-    if fmt == INT8 or fmt == BF16:  # int4 and FP8 rows are computed slower than memory delivers them (prefetching
-        prefetch_ahead(q, e, r)     # them cost 0-10% of a routed step)
+    # int4 and FP8 rows are computed more slowly than memory delivers them: prefetching cost them 0-10% of a routed step
+    if fmt == INT8 or fmt == BF16:
+        prefetch_ahead(q, e, r)
     if fmt == INT8:
         width = q.shape[3]
         for c in range(q.shape[1]):
