@@ -4,14 +4,15 @@ a Gated DeltaNet layer's decoding step, a Qwen3.5 MoE block's decoding step and 
 
 Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row in
 loops over its contiguous bytes that LLVM vectorises (int8: converted as they are summed, the sum times the row's scale;
-int4: a group's low and high nibbles summed against the group's two halves, times the group's scale, plus its minimum
-times the activations' group sum; FP8 e4m3 and bf16: turned into fp32 by shifting bits, with no table, FP8's 128-column
-block sums times their block's scale); a parallel work item reads a block of consecutive rows of one expert, so the
-weights stream from memory in long runs, and int8 and bf16 rows, read faster than one thread's cache misses arrive,
-ask for the rows ahead of them (prefetch_ahead). A chosen expert's rows are read once per call however many
-activation rows routed to it (the repeats hit the cache), and each row's result is the same whatever other rows share
-the call (batches decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an
-fp32 rounding of a sum, far below the formats' own.
+int4: a group's low and high nibbles multiplied in integers by int16 codes of the group's two halves of activations, the
+sum times the group's scale, plus its minimum times the activations' group sum; FP8 e4m3 and bf16: turned into fp32 by
+shifting bits, with no table, FP8's 128-column block sums times their block's scale); a parallel work item reads a block
+of consecutive rows of one expert, so the weights stream from memory in long runs, and int8 and bf16 rows, read faster
+than one thread's cache misses arrive, ask for the rows ahead of them (prefetch_ahead). A chosen expert's rows are read
+once per call however many activation rows routed to it (the repeats hit the cache), and each row's result is the same
+whatever other rows share the call (batches decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums;
+the error stays an fp32 rounding of a sum (int4: and the codes' rounding, at most 1/65534 of a group's largest
+|activation| per input), far below the formats' own.
 
 Arrays (all C-contiguous, so three compiled signatures of each kernel serve the four formats, each compiled once
 per machine; a dense matrix is held as one expert):
@@ -49,8 +50,8 @@ def set_threads(threads: int) -> None:
 
 @njit(cache=True, fastmath=FAST, inline="always")
 def nibbles(byte):
-    """A uint8's low and high nibbles as fp32, split in fp32 (exact: the byte's value / 16, floored): numba's integer
-    shifts and masks widen to 64 bits, which ran 1.5x slower on an AVX2 EPYC."""
+    """A uint8's low and high nibbles as fp32, split in fp32 (exact: the byte's value / 16, floored), for loops that
+    go on in fp32: numba's integer shifts and masks widen to 64 bits, which ran 1.5x slower on an AVX2 EPYC."""
     value = np.float32(byte)
     high = np.floor(value * np.float32(0.0625))
     return value - np.float32(16.0) * high, high
