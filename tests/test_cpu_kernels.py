@@ -258,3 +258,23 @@ def test_fp8_partial_scale_blocks(one_thread):
             weight = dequantized(compiled_kernels(), FORMAT_CODES["fp8"], matrices.arrays, matrices.shape[1:], e,
                                  torch.float32)
             assert torch.equal(weight, stack.dequantize(e).float())
+
+
+def test_int4_codes_of_zero_tiny_and_non_finite_activations(one_thread):
+    """int4 rows multiply int16 codes of each group of activations: a group of zeros, a group of tiny values (coded
+    at their own scale, not the row's) and a large group step within the bound; an inf or a NaN activation makes the
+    row NaN, as fp32 products would."""
+    store = make_store("int4")
+    x, top_i, top_p = routing(3)
+    x[0, :128] = 0
+    x[1, :128] *= 1e-6
+    x[1, 128:] *= 1e4
+    kernel = KernelExperts(store, compiled_kernels())
+    assert relative_error(kernel.routed_step(x[:2], top_i[:2], top_p[:2])[1:],
+                          fp64_step(store, x[1:2], top_i[1:2], top_p[1:2])) < INT4_CODES_BOUND
+    assert relative_error(kernel.routed_step(x[:1], top_i[:1], top_p[:1]),
+                          fp64_step(store, x[:1], top_i[:1], top_p[:1])) < INT4_CODES_BOUND
+    for bad in (float("inf"), float("nan")):
+        x[2, 5] = bad
+        out = kernel.routed_step(x, top_i, top_p)
+        assert out[2].isnan().all() and out[:2].isfinite().all()

@@ -214,9 +214,9 @@ def row_extras(fmt, scale, x):
                 largest = max(largest, abs(x[t, k]))
             step = largest / np.float32(32767.0)
             coded = np.float32(0.0)  # the codes' sum, times the step
-            if not np.isfinite(largest):
-                step = np.float32(np.nan)  # the group's result is NaN, as fp32 products would make it
-            elif largest > 0:
+            if not np.isfinite(total):  # an inf or a NaN (max() passes NaN over): no codes; the row's result is NaN
+                step = np.float32(np.nan)
+            elif largest > np.float32(1e-30):  # below it, codes 0: the correction carries the group (7.5 * sum)
                 inverse = np.float32(32767.0) / largest  # |x| * inverse <= 32767 (rounding error < 0.01)
                 for k in range(g * size, (g + 1) * size):
                     codes[t, k] = np.int16(np.rint(x[t, k] * inverse))
