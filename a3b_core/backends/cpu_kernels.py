@@ -190,10 +190,10 @@ def row_extras(fmt, scale, x):
     """What row_dot reads of each row of x [T, in] besides x, as (extra float32 [T, k], codes int16 [T, m]).
 
     int4: each group of inputs as int16 codes, x ~ code * step, the step the group's largest |x| / 32767 (integer
-    products of nibbles and codes ran 1.4-1.6x as fast as fp32 ones on an AVX-512 Xeon). extra holds, per group, the
+    products of nibbles and codes ran 1.1-1.6x as fast as fp32 ones on an AVX-512 Xeon). extra holds, per group, the
     step, the sum of x, and 7.5 times the codes' rounding error summed over the group: a row's group is scale *
     (step * sum(nibble * code) + that correction) + minimum * sum(x), so the rounding errors are weighted by the
-    nibbles less their mean, not by the nibbles (3x smaller).
+    nibbles less their mean, not by the nibbles (4x smaller in the tests).
     FP8: extra is the row times FP8_INPUT_SCALE ([T, in]): an e4m3 weight reads as 2^-120 times its value, and its
     products with activations would often fall below fp32's normal range, which Intel CPUs compute with microcode
     assists (2-3x an FP8 row's time). Nothing for the others."""
