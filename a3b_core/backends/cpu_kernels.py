@@ -197,11 +197,9 @@ def row_extras(fmt, scale, x):
     FP8: extra is the row times FP8_INPUT_SCALE ([T, in]): an e4m3 weight reads as 2^-120 times its value, and its
     products with activations would often fall below fp32's normal range, which Intel CPUs compute with microcode
     assists (2-3x an FP8 row's time). Nothing for the others."""
-    no_codes = np.zeros((x.shape[0], 1), np.int16)
-    if fmt == FP8:
-        return x * FP8_INPUT_SCALE, no_codes
     if fmt != INT4:
-        return np.zeros((x.shape[0], 1), np.float32), no_codes
+        extra = x * FP8_INPUT_SCALE if fmt == FP8 else np.zeros((x.shape[0], 1), np.float32)
+        return extra, np.zeros((x.shape[0], 1), np.int16)
     groups = scale.shape[2] // 2
     size = x.shape[1] // groups
     extra = np.zeros((x.shape[0], 3 * groups), np.float32)
