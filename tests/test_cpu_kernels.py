@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from a3b_core import load_model
-from a3b_core.backends.experts import CpuFloatExperts, QuantizedExperts
+from a3b_core.backends.experts import CpuFloatExperts, QuantizedExperts, dequantize_int4, int4_group_size, quantize_int4
 from a3b_core.backends.kernel_experts import FORMAT_CODES, KernelExperts, compiled_kernels, dequantized, \
     kernels_enabled, matrix, swap_in_kernels
 from a3b_core.models.layers import RoutedExperts
@@ -278,3 +278,37 @@ def test_int4_codes_of_zero_tiny_and_non_finite_activations(one_thread):
         x[2, 5] = bad
         out = kernel.routed_step(x, top_i, top_p)
         assert out[2].isnan().all() and out[:2].isfinite().all()
+
+
+@pytest.mark.parametrize("lanes", [32, 16, 0])
+@pytest.mark.parametrize("inputs", [256, 192, 96])  # groups of 128, 64 and 32 inputs
+def test_int4_rows_at_each_group_size_and_vector_width(inputs, lanes, monkeypatch):
+    """int4 rows against fp64 over their dequantised weights, for each group size and each code of the products,
+    compiled afresh here: pmaddwd on 32 lanes (AVX-512) or 16 (AVX2), or LLVM's vectorising of the plain loop. A row of
+    nibbles of 15 times activations coded as 32767 sums without overflow."""
+    from numba import njit
+
+    from a3b_core.backends import cpu_kernels as ck
+    if lanes > ck.PMADD_LANES:
+        pytest.skip(f"this CPU's numba target has no {lanes}-lane pmaddwd")
+    monkeypatch.setattr(ck, "PMADD_LANES", lanes)
+    monkeypatch.setattr(ck, "group_dots", ck.pmadd_or_loop_group_dots if lanes else ck.loop_group_dots)
+
+    @njit  # not cached: compiled with the width set above (row_dot and the group sums are inlined into it)
+    def rows(q, scale, x, out):
+        extras, codes = ck.row_extras(ck.INT4, scale, x)
+        for r in range(q.shape[2]):
+            out[r] = ck.row_dot(ck.INT4, q, scale, 0, r, x[0], extras[0], codes[0])
+
+    g = torch.Generator().manual_seed(3)
+    weights = torch.randn(24, inputs, generator=g)
+    packed, scale_min = quantize_int4(weights, int4_group_size(inputs))
+    packed[-1] = 0xFF  # every nibble 15, its groups' scale 1 and minimum 0
+    scale_min[-1] = torch.tensor([1.0, 0.0])
+    x = torch.randn(1, inputs, generator=g)
+    for activations in (x, torch.ones(1, inputs)):
+        out = torch.empty(24)
+        rows(packed[None, None].numpy(), scale_min.reshape(1, 24, -1).numpy(), activations.numpy(), out.numpy())
+        want = dequantize_int4(packed, scale_min).double() @ activations[0].double()
+        assert relative_error(out, want) < INT4_CODES_BOUND
+    assert out[-1].item() == 15 * inputs
