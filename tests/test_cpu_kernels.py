@@ -292,9 +292,9 @@ def test_int4_rows_at_each_group_size_and_vector_width(inputs, lanes, monkeypatc
     if lanes > ck.PMADD_LANES:
         pytest.skip(f"this CPU's numba target has no {lanes}-lane pmaddwd")
     monkeypatch.setattr(ck, "PMADD_LANES", lanes)
-    monkeypatch.setattr(ck, "group_dots", ck.pmadd_or_loop_group_dots if lanes else ck.loop_group_dots)
+    monkeypatch.setattr(ck, "int4_row", ck.pmadd_or_loop_int4_row if lanes else ck.loop_int4_row)
 
-    @njit  # not cached: compiled with the width set above (row_dot and the group sums are inlined into it)
+    @njit  # not cached: compiled with the width set above (row_dot and int4_row are inlined into it)
     def rows(q, scale, x, out):
         extras, codes = ck.row_extras(ck.INT4, scale, x)
         for r in range(q.shape[2]):

@@ -6,7 +6,7 @@ Imported only when numba is installed (kernel_experts.py decides). Each weight r
 loops over its contiguous bytes that LLVM vectorises (int8: converted as they are summed, the sum times the row's scale;
 int4: a group's low and high nibbles multiplied in integers by int16 codes of the group's two halves of activations, the
 sum times the group's scale, plus its minimum times the activations' group sum; with AVX-512 or AVX2, groups of 128
-as vector code of our own, pmadd_group_dots; FP8 e4m3 and bf16: turned into fp32 by
+as vector code of our own, pmadd_int4_row; FP8 e4m3 and bf16: turned into fp32 by
 shifting bits, with no table, FP8's 128-column block sums times their block's scale); a parallel work item reads a block
 of consecutive rows of one expert, so the weights stream from memory in long runs, and int8 and bf16 rows, read faster
 than one thread's cache misses arrive, ask for the rows ahead of them (prefetch_ahead). A chosen expert's rows are read
@@ -43,6 +43,7 @@ E4M3_BITS = np.int32(-0x78000001)  # 0x87FFFFFF: sign, fp32 exponent and mantiss
 E4M3_SCALE = np.float32(2.0 ** 120)  # fp32's exponent bias less e4m3's
 FP8_INPUT_SCALE = np.float32(2.0 ** 64)  # FP8 rows' activations are multiplied by it (row_extras)
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorised); no assumption that values are finite
+FAST_FLAGS = tuple(sorted(FAST))  # the same, for LLVM instructions written by hand (pmadd_int4_row)
 PREFETCH_BYTES = 4096  # how far ahead of the row being read row_dot asks for the next rows' cache lines
 
 
@@ -136,29 +137,32 @@ def nibble_dot(row, codes, g, half):
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
-def loop_group_dots(src, codes, scale_min, extra, half):
-    """The sum over an int4 row's groups (`half` bytes each) of nibble_dot times the group's scale and step."""
+def loop_int4_row(src, codes, scale_min, extra, half):
+    """An int4 row (`half` bytes a group; its scales and minimums scale_min) dotted with the activations that
+    row_extras coded (codes, extra): per group, scale * (step * nibble_dot + correction) + minimum * sum."""
     acc = np.float32(0.0)
     for g in range(src.shape[0] // half):
         # groups of 128 with the loop's length a constant: 1.15x on an AVX2 EPYC
         dot = nibble_dot(src, codes, g, 64) if half == 64 else nibble_dot(src, codes, g, half)
-        acc += np.float32(dot) * extra[3 * g] * scale_min[2 * g]
+        acc += (np.float32(dot) * extra[3 * g] + extra[3 * g + 2]) * scale_min[2 * g] \
+            + extra[3 * g + 1] * scale_min[2 * g + 1]
     return acc
 
 
 @intrinsic
-def pmadd_group_dots(typingctx, src, codes, scale_min, extra):
-    """loop_group_dots for groups of 128 (64 bytes), written as LLVM vector code with PMADD_LANES-wide pmaddwd: a
+def pmadd_int4_row(typingctx, src, codes, scale_min, extra):
+    """loop_int4_row for groups of 128 (64 bytes), written as LLVM vector code with PMADD_LANES-wide pmaddwd: a
     group's 64 bytes are loaded at once and split into low and high nibbles as int16, multiplied with the codes and
     summed in pairs (int32 lanes), turned into fp32 and scaled by the group's scale and step into lanes that are summed
-    only at the row's end. LLVM's own vectorising of loop_group_dots uses 128-bit vectors and sums each group across
-    its lanes: 2.6x the time on an AVX-512 Xeon. Arrays 1-D, C-contiguous: src uint8, codes int16, scale_min and
-    extra float32 (row_dot's; src is read as bytes, as row_dot's branches for other formats are compiled too)."""
+    only at the row's end; the groups' corrections and minimums go to a scalar sum. LLVM's own vectorising of
+    loop_int4_row uses 128-bit vectors and sums each group across its lanes: 2.6x the time on an AVX-512 Xeon.
+    Arrays 1-D, C-contiguous: src uint8, codes int16, scale_min and extra float32 (row_dot's; src is read as bytes, as
+    row_dot's branches for other formats are compiled too)."""
     wanted = (None, types.int16, types.float32, types.float32)
     arrays = (src, codes, scale_min, extra)
     if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and d in (None, a.dtype)
                for a, d in zip(arrays, wanted)):
-        raise TypingError(f"pmadd_group_dots needs 1-D C-contiguous arrays (codes int16, scales float32); got {arrays}")
+        raise TypingError(f"pmadd_int4_row needs 1-D C-contiguous arrays (codes int16, scales float32); got {arrays}")
 
     def codegen(context, builder, signature, args):
         src_data, code_data, scale_data, extra_data = (
@@ -174,13 +178,18 @@ def pmadd_group_dots(typingctx, src, codes, scale_min, extra):
         pmadd = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(pairs, [words, words]))
         group_bytes, group_words = ir.VectorType(i8, 64), ir.VectorType(i16, 64)
         acc = cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * sums))
+        scalars = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
+
+        def element(data, g, stride, k):  # data[stride * g + k]
+            return builder.load(builder.gep(data, [builder.add(builder.mul(g, intp(stride)), intp(k))]))
+
         with cgutils.for_range(builder, builder.udiv(count, intp(64))) as loop:
             g = loop.index
             loaded = builder.load(builder.bitcast(builder.gep(src_data, [builder.mul(g, intp(64))]),
                                                   group_bytes.as_pointer()), align=1)
             wide = builder.zext(loaded, group_words)
             halves = (builder.and_(wide, ir.Constant(group_words, [15] * 64)),
-                        builder.lshr(wide, ir.Constant(group_words, [4] * 64)))
+                      builder.lshr(wide, ir.Constant(group_words, [4] * 64)))
             group_codes = builder.gep(code_data, [builder.mul(g, intp(128))])
             dot = ir.Constant(pairs, [0] * sums)
             for first_code, values in zip((0, 64), halves):  # low nibbles: the group's first 64 inputs
@@ -189,31 +198,35 @@ def pmadd_group_dots(typingctx, src, codes, scale_min, extra):
                                                                               list(range(k, k + lanes))))
                     code_ptr = builder.bitcast(builder.gep(group_codes, [intp(first_code + k)]), words.as_pointer())
                     dot = builder.add(dot, builder.call(pmadd, [part, builder.load(code_ptr, align=2)]))
-            factor = builder.fmul(builder.load(builder.gep(scale_data, [builder.mul(g, intp(2))])),
-                                  builder.load(builder.gep(extra_data, [builder.mul(g, intp(3))])))
+            group_scale, minimum = (element(scale_data, g, 2, k) for k in (0, 1))
+            step, total, correction = (element(extra_data, g, 3, k) for k in (0, 1, 2))
+            rest = builder.fadd(builder.fmul(correction, group_scale, flags=FAST_FLAGS),
+                                builder.fmul(total, minimum, flags=FAST_FLAGS), flags=FAST_FLAGS)
+            builder.store(builder.fadd(builder.load(scalars), rest, flags=FAST_FLAGS), scalars)
+            factor = builder.fmul(group_scale, step)
             splat = builder.shuffle_vector(builder.insert_element(ir.Constant(floats, None), factor, i32(0)),
                                            ir.Constant(floats, None), ir.Constant(ir.VectorType(i32, sums), [0] * sums))
-            scaled = builder.fmul(builder.sitofp(dot, floats), splat, flags=("reassoc", "contract"))
-            builder.store(builder.fadd(builder.load(acc), scaled, flags=("reassoc", "contract")), acc)
+            scaled = builder.fmul(builder.sitofp(dot, floats), splat, flags=FAST_FLAGS)
+            builder.store(builder.fadd(builder.load(acc), scaled, flags=FAST_FLAGS), acc)
         value, width = builder.load(acc), sums
         while width > 1:  # the lanes' sum: halves added
             width //= 2
             value = builder.fadd(*(builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(i32, width),
                                                                                      list(range(k, k + width))))
-                                   for k in (0, width)), flags=("reassoc",))
-        return builder.extract_element(value, i32(0))
+                                   for k in (0, width)), flags=FAST_FLAGS)
+        return builder.fadd(builder.extract_element(value, i32(0)), builder.load(scalars), flags=FAST_FLAGS)
     return types.float32(src, codes, scale_min, extra), codegen
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
-def pmadd_or_loop_group_dots(src, codes, scale_min, extra, half):
-    """loop_group_dots, groups of 128 with pmadd_group_dots."""
+def pmadd_or_loop_int4_row(src, codes, scale_min, extra, half):
+    """loop_int4_row, groups of 128 by pmadd_int4_row."""
     if half == 64:
-        return pmadd_group_dots(src, codes, scale_min, extra)
-    return loop_group_dots(src, codes, scale_min, extra, half)
+        return pmadd_int4_row(src, codes, scale_min, extra)
+    return loop_int4_row(src, codes, scale_min, extra, half)
 
 
-group_dots = pmadd_or_loop_group_dots if PMADD_LANES else loop_group_dots
+int4_row = pmadd_or_loop_int4_row if PMADD_LANES else loop_int4_row
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
@@ -254,12 +267,7 @@ def row_dot(fmt, q, scale, e, r, x, extra, codes):
     src = q[e, 0, r]
     n = x.shape[0]
     if fmt == INT4:
-        groups = scale.shape[2] // 2
-        scale_min = scale[e, r]
-        acc = group_dots(src, codes, scale_min, extra, src.shape[0] // groups)
-        for g in range(groups):  # each group's rounding correction times its scale, its sum times its minimum
-            acc += extra[3 * g + 2] * scale_min[2 * g] + extra[3 * g + 1] * scale_min[2 * g + 1]
-        return acc
+        return int4_row(src, codes, scale[e, r], extra, 2 * src.shape[0] // scale.shape[2])
     if fmt == BF16:
         for k in range(src.shape[0]):
             acc += bf16_value(src[k]) * x[k]
