@@ -285,6 +285,25 @@ def row_dot(fmt, q, scale, e, r, x, extra, codes):
     return acc * (E4M3_SCALE / FP8_INPUT_SCALE)
 
 
+@njit(cache=True, fastmath=FAST, inline="always")
+def rows_dot(fmt, q, scale, e, first, end, x, extra, codes, out):
+    """out[r - first] = row_dot of row r of expert e's matrix, for r from first to end. Each format's rows run in a
+    loop of its own, the format a constant there: with the format's test inside one loop of rows, LLVM kept each row's
+    invariant work in it, and int4 rows of 1024 inputs ran 12-20% slower on an AVX-512 Xeon."""
+    if fmt == INT4:
+        for r in range(first, end):
+            out[r - first] = row_dot(INT4, q, scale, e, r, x, extra, codes)
+    elif fmt == INT8:
+        for r in range(first, end):
+            out[r - first] = row_dot(INT8, q, scale, e, r, x, extra, codes)
+    elif fmt == BF16:
+        for r in range(first, end):
+            out[r - first] = row_dot(BF16, q, scale, e, r, x, extra, codes)
+    else:
+        for r in range(first, end):
+            out[r - first] = row_dot(FP8, q, scale, e, r, x, extra, codes)
+
+
 # not fastmath: a vectorised sum's order could depend on the row's place in x, and a row's result must not
 @njit(cache=True)
 def row_extras(fmt, scale, x):
@@ -354,15 +373,16 @@ def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, out
         u, b = item // blocks, item % blocks
         first, end = b * ROW_BLOCK, min(inter, b * ROW_BLOCK + ROW_BLOCK)
         gate = np.empty(ROW_BLOCK, np.float32)
+        up = np.empty(ROW_BLOCK, np.float32)
         for s in range(slots):
             if expert_of[s] == u:
                 t = s // top_k
-                for i in range(first, end):
-                    gate[i - first] = row_dot(fmt, gu_q, gu_scale, experts[u], i, x[t], x_extras[t], x_codes[t])
+                rows_dot(fmt, gu_q, gu_scale, experts[u], first, end, x[t], x_extras[t], x_codes[t], gate)
+                rows_dot(fmt, gu_q, gu_scale, experts[u], inter + first, inter + end, x[t], x_extras[t], x_codes[t],
+                         up)
                 for i in range(first, end):
                     g = gate[i - first]
-                    act[s, i] = g / (1 + np.exp(-g)) * row_dot(fmt, gu_q, gu_scale, experts[u], inter + i, x[t],
-                                                               x_extras[t], x_codes[t])
+                    act[s, i] = g / (1 + np.exp(-g)) * up[i - first]
 
     # a work item is a block of output rows, read expert by expert: each row's experts summed in its routing's
     # order, so a row's result does not depend on the other rows of the call
@@ -370,12 +390,14 @@ def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, out
     blocks = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
     for b in prange(blocks):
         first, end = b * ROW_BLOCK, min(hidden, b * ROW_BLOCK + ROW_BLOCK)
+        part = np.empty(ROW_BLOCK, np.float32)
         for t in range(tokens):
             for j in range(top_k):
                 s = t * top_k + j
+                rows_dot(fmt, dn_q, dn_scale, experts[expert_of[s]], first, end, act[s], act_extras[s],
+                         act_codes[s], part)
                 for r in range(first, end):
-                    out[t, r] += weights[t, j] * row_dot(fmt, dn_q, dn_scale, experts[expert_of[s]], r, act[s],
-                                                         act_extras[s], act_codes[s])
+                    out[t, r] += weights[t, j] * part[r - first]
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)
@@ -388,8 +410,7 @@ def matrix_rows(fmt, q, scale, x, out):
     for b in prange(blocks):
         first, end = b * ROW_BLOCK, min(rows, b * ROW_BLOCK + ROW_BLOCK)
         for t in range(x.shape[0]):
-            for r in range(first, end):
-                out[t, r] = row_dot(fmt, q, scale, 0, r, x[t], extras[t], codes[t])
+            rows_dot(fmt, q, scale, 0, first, end, x[t], extras[t], codes[t], out[t, first:end])
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
