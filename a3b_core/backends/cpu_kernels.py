@@ -9,11 +9,11 @@ sum times the group's scale, plus its minimum times the activations' group sum, 
 the pack's own, pmadd_int4_row; FP8 e4m3 and bf16: turned into fp32 by shifting bits, with no table, FP8's 128-column
 block sums times their block's scale); a parallel work item reads a block of consecutive rows of one expert, so the
 weights stream from memory in long runs, and int8, int4 and bf16 rows, read faster than one thread's cache misses
-arrive, ask for the rows ahead of them (prefetch_ahead). A chosen expert's rows are read once per call however many activation rows
-routed to it (the repeats hit the cache), and each row's result is the same whatever other rows share the call (batches
-decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32 rounding of a sum
-(int4: and the codes' rounding, at most 1/65534 of a group's largest |activation| per input), far below the formats'
-own.
+arrive, ask for the rows ahead of them (prefetch_ahead). A chosen expert's rows are read once per call however many
+activation rows routed to it (the repeats hit the cache), and each row's result is the same whatever other rows share
+the call (batches decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32
+rounding of a sum (int4: and the codes' rounding, at most 1/65534 of a group's largest |activation| per input), far
+below the formats' own.
 
 Arrays (all C-contiguous, so three compiled signatures of each kernel serve the four formats, each compiled once
 per machine; a dense matrix is held as one expert):
