@@ -152,29 +152,30 @@ def loop_int4_row(src, codes, scale_min, extra, groups):
 
 
 @intrinsic
-def pmadd_int4_row(typingctx, src, codes, scale_min, extra):
+def pmadd_int4_row(typingctx, src, codes, scale_min, extra, groups):
     """loop_int4_row for groups of 128 (64 bytes), written as LLVM vector code with PMADD_LANES-wide pmaddwd: a
     group's 64 bytes are loaded at once and split into low and high nibbles as int16, multiplied with the codes and
     summed in pairs (int32 lanes), turned into fp32 and scaled by the group's scale and step into lanes that are summed
     only at the row's end; the groups' corrections and minimums go to a scalar sum. LLVM's own vectorising of
     loop_int4_row uses 128-bit vectors and sums each group across its lanes: 2.6x the time on an AVX-512 Xeon.
-    Arrays 1-D, C-contiguous: src uint8, codes int16, scale_min and extra float32 (row_dot's; src is read as bytes, as
-    row_dot's branches for other formats are compiled too)."""
+    Arrays 1-D, C-contiguous: src uint8 (64 bytes a group), codes int16, scale_min and extra float32 (row_dot's; src is
+    read as bytes, as row_dot's branches for other formats are compiled too)."""
     wanted = (None, types.int16, types.float32, types.float32)
     arrays = (src, codes, scale_min, extra)
-    if not all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and d in (None, a.dtype)
-               for a, d in zip(arrays, wanted)):
-        raise TypingError(f"pmadd_int4_row needs 1-D C-contiguous arrays (codes int16, scales float32); got {arrays}")
+    if not isinstance(groups, types.Integer) or not all(
+            isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and d in (None, a.dtype)
+            for a, d in zip(arrays, wanted)):
+        raise TypingError("pmadd_int4_row needs 1-D C-contiguous arrays (codes int16, scales float32) and a group "
+                          f"count; got {arrays}, {groups}")
 
     def codegen(context, builder, signature, args):
         src_data, code_data, scale_data, extra_data = (
-            context.make_array(t)(context, builder, v).data for t, v in zip(signature.args, args))
+            context.make_array(t)(context, builder, v).data for t, v in zip(signature.args[:4], args[:4]))
         lanes, sums = PMADD_LANES, PMADD_LANES // 2
         intp = context.get_value_type(types.intp)
         i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
         src_data = builder.bitcast(src_data, i8.as_pointer())
-        count = builder.mul(context.make_array(signature.args[0])(context, builder, args[0]).nitems,
-                            intp(signature.args[0].dtype.bitwidth // 8))  # src's bytes
+        groups = context.cast(builder, args[4], signature.args[4], types.intp)
         words, pairs, floats = ir.VectorType(i16, lanes), ir.VectorType(i32, sums), ir.VectorType(f32, sums)
         name = "llvm.x86.avx512.pmaddw.d.512" if lanes == 32 else "llvm.x86.avx2.pmadd.wd"
         pmadd = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(pairs, [words, words]))
@@ -185,7 +186,7 @@ def pmadd_int4_row(typingctx, src, codes, scale_min, extra):
         def element(data, g, stride, k):  # data[stride * g + k]
             return builder.load(builder.gep(data, [builder.add(builder.mul(g, intp(stride)), intp(k))]))
 
-        with cgutils.for_range(builder, builder.udiv(count, intp(64))) as loop:
+        with cgutils.for_range(builder, groups) as loop:
             g = loop.index
             loaded = builder.load(builder.bitcast(builder.gep(src_data, [builder.mul(g, intp(64))]),
                                                   group_bytes.as_pointer()), align=1)
@@ -217,7 +218,7 @@ def pmadd_int4_row(typingctx, src, codes, scale_min, extra):
                                                                                      list(range(k, k + width))))
                                    for k in (0, width)), flags=FAST_FLAGS)
         return builder.fadd(builder.extract_element(value, i32(0)), builder.load(scalars), flags=FAST_FLAGS)
-    return types.float32(src, codes, scale_min, extra), codegen
+    return types.float32(src, codes, scale_min, extra, groups), codegen
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
@@ -225,7 +226,7 @@ def pmadd_or_loop_int4_row(src, codes, scale_min, extra, groups):
     """loop_int4_row, groups of 128 by pmadd_int4_row. (Told apart by a product, not a division: a division in
     the row's branch is not moved out of the rows' loop, and cost an int4 row of 1024 inputs 15-20%.)"""
     if src.shape[0] == 64 * groups:
-        return pmadd_int4_row(src, codes, scale_min, extra)
+        return pmadd_int4_row(src, codes, scale_min, extra, groups)
     return loop_int4_row(src, codes, scale_min, extra, groups)
 
 
