@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from a3b_core import load_model
-from a3b_core.backends.experts import CpuFloatExperts, QuantizedExperts, dequantize_int4, int4_group_size, quantize_int4
+from a3b_core.backends.experts import INT8_K_CHUNK, CpuFloatExperts, QuantizedExperts, dequantize_int4, \
+    int4_group_size, quantize_int4
 from a3b_core.backends.kernel_experts import FORMAT_CODES, KernelExperts, compiled_kernels, dequantized, \
     kernels_enabled, matrix, swap_in_kernels
 from a3b_core.models.layers import RoutedExperts
@@ -20,15 +21,16 @@ EXPERTS, HIDDEN, INTER = 6, 256, 128
 # Stated bounds, as a fraction of the largest |output|: the kernel against the fp64 step over the store's own
 # dequantised weights (fp32 sums), and against torch's path, which rounds activations and products to bf16.
 EXACT_BOUND = 1e-5
-# int4 rows are multiplied by int16 codes of the activations (cpu_kernels.row_extras): each input is off by at most
-# 1/65534 of its group's largest |x|. Measured 6e-5 here; int4's own rounding of the weights is 100x that.
-INT4_CODES_BOUND = 2e-4
+# int4 and int8 rows are multiplied by int16 codes of the activations (cpu_kernels.coded_groups): each input is off by
+# at most 1/65534 of its group's largest |x|. Measured 6e-5 here, where the formats' own rounding of the weights is
+# 1.3e-2 (int8) and 0.26 (int4) against the unquantised weights.
+CODES_BOUND = 2e-4
 TORCH_PATH_BOUND = 2e-2
 
 
 def step_bound(fmt: str) -> float:
     """The stated bound of a decoding step (one row at a time) in `fmt` against fp64 over the store's weights."""
-    return INT4_CODES_BOUND if fmt == "int4" else EXACT_BOUND
+    return CODES_BOUND if fmt in ("int4", "int8") else EXACT_BOUND
 
 
 def make_store(fmt: str) -> QuantizedExperts | CpuFloatExperts:
@@ -271,21 +273,18 @@ def test_int4_codes_of_zero_tiny_and_non_finite_activations(one_thread):
     x[1, 128:] *= 1e4
     kernel = KernelExperts(store, compiled_kernels())
     assert relative_error(kernel.routed_step(x[:2], top_i[:2], top_p[:2])[1:],
-                          fp64_step(store, x[1:2], top_i[1:2], top_p[1:2])) < INT4_CODES_BOUND
+                          fp64_step(store, x[1:2], top_i[1:2], top_p[1:2])) < CODES_BOUND
     assert relative_error(kernel.routed_step(x[:1], top_i[:1], top_p[:1]),
-                          fp64_step(store, x[:1], top_i[:1], top_p[:1])) < INT4_CODES_BOUND
+                          fp64_step(store, x[:1], top_i[:1], top_p[:1])) < CODES_BOUND
     for bad in (float("inf"), float("nan")):
         x[2, 5] = bad
         out = kernel.routed_step(x, top_i, top_p)
         assert out[2].isnan().all() and out[:2].isfinite().all()
 
 
-@pytest.mark.parametrize("lanes", [32, 16, 0])
-@pytest.mark.parametrize("inputs", [256, 192, 96])  # groups of 128, 64 and 32 inputs
-def test_int4_rows_at_each_group_size_and_vector_width(inputs, lanes, monkeypatch):
-    """int4 rows against fp64 over their dequantised weights, for each group size and each code of the products,
-    compiled afresh here: pmaddwd on 32 lanes (AVX-512) or 16 (AVX2), or LLVM's vectorising of the plain loop. A row of
-    nibbles of 15 times activations coded as 32767 sums without overflow."""
+def rows_compiled_at(lanes: int, fmt: int, monkeypatch):
+    """A function computing row_dot for every row of one matrix (q, scale as the kernels read them; x [1, in]) into
+    out, compiled afresh with `lanes`-wide pmaddwd (0: the plain loops), or a skip where the CPU cannot run it."""
     from numba import njit
 
     from a3b_core.backends import cpu_kernels as ck
@@ -293,13 +292,23 @@ def test_int4_rows_at_each_group_size_and_vector_width(inputs, lanes, monkeypatc
         pytest.skip(f"this CPU's numba target has no {lanes}-lane pmaddwd")
     monkeypatch.setattr(ck, "PMADD_LANES", lanes)
     monkeypatch.setattr(ck, "int4_row", ck.pmadd_or_loop_int4_row if lanes else ck.loop_int4_row)
+    monkeypatch.setattr(ck, "int8_row", ck.pmadd_int8_row if lanes else ck.loop_int8_row)
 
-    @njit  # not cached: compiled with the width set above (row_dot and int4_row are inlined into it)
+    @njit  # not cached: compiled with the width set above (row_dot, int4_row and int8_row are inlined into it)
     def rows(q, scale, x, out):
-        extras, codes = ck.row_extras(ck.INT4, scale, x)
+        extras, codes = ck.row_extras(fmt, scale, x)
         for r in range(q.shape[2]):
-            out[r] = ck.row_dot(ck.INT4, q, scale, 0, r, x[0], extras[0], codes[0])
+            out[r] = ck.row_dot(fmt, q, scale, 0, r, x[0], extras[0], codes[0])
+    return rows
 
+
+@pytest.mark.parametrize("lanes", [32, 16, 0])
+@pytest.mark.parametrize("inputs", [256, 192, 96])  # groups of 128, 64 and 32 inputs
+def test_int4_rows_at_each_group_size_and_vector_width(inputs, lanes, monkeypatch):
+    """int4 rows against fp64 over their dequantised weights, for each group size and each code of the products:
+    pmaddwd on 32 lanes (AVX-512) or 16 (AVX2), or LLVM's vectorising of the plain loop. A row of nibbles of 15 times
+    activations coded as 32767 sums without overflow."""
+    rows = rows_compiled_at(lanes, FORMAT_CODES["int4"], monkeypatch)
     g = torch.Generator().manual_seed(3)
     weights = torch.randn(24, inputs, generator=g)
     packed, scale_min = quantize_int4(weights, int4_group_size(inputs))
@@ -310,5 +319,26 @@ def test_int4_rows_at_each_group_size_and_vector_width(inputs, lanes, monkeypatc
         out = torch.empty(24)
         rows(packed[None, None].numpy(), scale_min.reshape(1, 24, -1).numpy(), activations.numpy(), out.numpy())
         want = dequantize_int4(packed, scale_min).double() @ activations[0].double()
-        assert relative_error(out, want) < INT4_CODES_BOUND
+        assert relative_error(out, want) < CODES_BOUND
     assert out[-1].item() == 15 * inputs
+
+
+@pytest.mark.parametrize("lanes", [32, 16, 0])
+@pytest.mark.parametrize("inputs", [1024, 384, 96])  # coded in two column chunks, in one; not coded (not whole groups)
+def test_int8_rows_at_each_vector_width(inputs, lanes, monkeypatch):
+    """int8 rows against fp64 over their weights, in each code of the products: rows of whole groups of 128 inputs
+    multiply int16 codes of the activations (pmaddwd on 32 or 16 lanes, or the plain integer loop), other rows fp32
+    activations. Rows of 127 and -127 times activations coded as 32767 sum without overflow."""
+    rows = rows_compiled_at(lanes, FORMAT_CODES["int8"], monkeypatch)
+    g = torch.Generator().manual_seed(4)
+    weights = torch.randint(-127, 128, (24, inputs), generator=g, dtype=torch.int8)
+    weights[-2], weights[-1] = 127, -127
+    scale = torch.rand(24, generator=g) + 0.5
+    chunk = INT8_K_CHUNK if inputs % INT8_K_CHUNK == 0 else inputs
+    q = weights.view(24, -1, chunk).transpose(0, 1).contiguous()[None]  # [1, chunks, out, chunk], as the store's
+    for activations in (torch.randn(1, inputs, generator=g), torch.ones(1, inputs)):
+        out = torch.empty(24)
+        rows(q.numpy(), scale.view(1, 24, 1).numpy(), activations.numpy(), out.numpy())
+        want = (weights.double() * scale.double()[:, None]) @ activations[0].double()
+        assert relative_error(out, want) < CODES_BOUND
+    assert abs(out[-1].item() / (-127 * inputs * scale[-1].item()) - 1) < 1e-6

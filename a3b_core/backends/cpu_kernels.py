@@ -3,17 +3,18 @@ compiled call, a dense matrix's product with a few rows, a quantised matrix dequ
 a Gated DeltaNet layer's decoding step, a Qwen3.5 MoE block's decoding step and RMSNorms of bf16 rows.
 
 Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row in
-loops over its contiguous bytes that LLVM vectorises (int8: converted as they are summed, the sum times the row's scale;
-int4: a group's low and high nibbles multiplied in integers by int16 codes of the group's two halves of activations, the
-sum times the group's scale, plus its minimum times the activations' group sum, with AVX-512 or AVX2 in vector code of
-the pack's own, pmadd_int4_row; FP8 e4m3 and bf16: turned into fp32 by shifting bits, with no table, FP8's 128-column
-block sums times their block's scale); a parallel work item reads a block of consecutive rows of one expert, so the
-weights stream from memory in long runs, and int8, int4 and bf16 rows, read faster than one thread's cache misses
-arrive, ask for the rows ahead of them (prefetch_ahead). A chosen expert's rows are read once per call however many
-activation rows routed to it (the repeats hit the cache), and each row's result is the same whatever other rows share
-the call (batches decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32
-rounding of a sum (int4: and the codes' rounding, at most 1/65534 of a group's largest |activation| per input), far
-below the formats' own.
+loops over its contiguous bytes: int4, and int8 rows whose inputs come in groups of CODE_GROUP, multiply their weights
+in integers by int16 codes of each group of activations (int4: a group's low and high nibbles, the sum times the
+group's scale, plus its minimum times the activations' group sum; int8: the sum times the row's scale), with AVX-512
+or AVX2 in vector code of the pack's own (pmadd_codegen); other int8 rows are converted as they are summed; FP8 e4m3
+and bf16 are turned into fp32 by shifting bits, with no table, FP8's 128-column block sums times their block's scale,
+in loops LLVM vectorises. A parallel work item reads a block of consecutive rows of one expert, so the weights stream
+from memory in long runs, and int8, int4 and bf16 rows, read faster than one thread's cache misses arrive, ask for the
+rows ahead of them (prefetch_ahead). A chosen expert's rows are read once per call however many activation rows routed
+to it (the repeats hit the cache), and each row's result is the same whatever other rows share the call (batches
+decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32 rounding of a sum
+(int4 and coded int8: and the codes' rounding, at most 1/65534 of a group's largest |activation| per input), far below
+the formats' own.
 
 Arrays (all C-contiguous, so three compiled signatures of each kernel serve the four formats, each compiled once
 per machine; a dense matrix is held as one expert):
@@ -45,6 +46,7 @@ FP8_INPUT_SCALE = np.float32(2.0 ** 64)  # FP8 rows' activations are multiplied 
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorised); no assumption that values are finite
 FAST_FLAGS = tuple(sorted(FAST))  # the same, for LLVM instructions written by hand (pmadd_int4_row)
 PREFETCH_BYTES = 4096  # how far ahead of the row being read row_dot asks for the next rows' cache lines
+CODE_GROUP = 128  # int8 rows' activations are coded in groups of this many inputs (row_extras)
 
 
 def pmadd_lanes() -> int:
@@ -151,62 +153,59 @@ def loop_int4_row(src, codes, scale_min, extra, groups):
     return acc
 
 
-@intrinsic
-def pmadd_int4_row(typingctx, src, codes, scale_min, extra, groups):
-    """loop_int4_row for groups of 128 (64 bytes), written as LLVM vector code with PMADD_LANES-wide pmaddwd: a
-    group's 64 bytes are loaded at once and split into low and high nibbles as int16, multiplied with the codes and
-    summed in pairs (int32 lanes), turned into fp32 and scaled by the group's scale and step into lanes that are summed
-    only at the row's end; the groups' corrections and minimums go to a scalar sum. LLVM's own vectorising of
-    loop_int4_row uses 128-bit vectors and sums each group across its lanes: 2.6x the time on an AVX-512 Xeon.
-    Arrays 1-D, C-contiguous: src uint8 (64 bytes a group), codes int16, scale_min and extra float32 (row_dot's; src is
-    read as bytes, as row_dot's branches for other formats are compiled too)."""
-    wanted = (None, types.int16, types.float32, types.float32)
-    arrays = (src, codes, scale_min, extra)
-    if not isinstance(groups, types.Integer) or not all(
-            isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and d in (None, a.dtype)
-            for a, d in zip(arrays, wanted)):
-        raise TypingError("pmadd_int4_row needs 1-D C-contiguous arrays (codes int16, scales float32) and a group "
-                          f"count; got {arrays}, {groups}")
-
+def pmadd_codegen(int4: bool):
+    """The LLVM vector code of pmadd_int4_row (int4) or pmadd_int8_row: per group of 128 inputs, its weights as two
+    halves of 64 int16 (int4: a group's 64 bytes split into low and high nibbles; int8: its 128 bytes sign-extended),
+    multiplied with the group's codes and summed in pairs by PMADD_LANES-wide pmaddwd (int32 lanes), turned into fp32
+    and scaled (int4: by the group's scale times its step; int8: by its step) into lanes summed only at the row's
+    end. int4's corrections and minimums go to a scalar sum."""
     def codegen(context, builder, signature, args):
-        src_data, code_data, scale_data, extra_data = (
-            context.make_array(t)(context, builder, v).data for t, v in zip(signature.args[:4], args[:4]))
+        src_data, code_data, extra_data = (context.make_array(signature.args[k])(context, builder, args[k]).data
+                                           for k in (0, 1, -2))
         lanes, sums = PMADD_LANES, PMADD_LANES // 2
         intp = context.get_value_type(types.intp)
         i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
         src_data = builder.bitcast(src_data, i8.as_pointer())
-        groups = context.cast(builder, args[4], signature.args[4], types.intp)
+        groups = context.cast(builder, args[-1], signature.args[-1], types.intp)
         words, pairs, floats = ir.VectorType(i16, lanes), ir.VectorType(i32, sums), ir.VectorType(f32, sums)
         name = "llvm.x86.avx512.pmaddw.d.512" if lanes == 32 else "llvm.x86.avx2.pmadd.wd"
         pmadd = builder.module.declare_intrinsic(name, fnty=ir.FunctionType(pairs, [words, words]))
-        group_bytes, group_words = ir.VectorType(i8, 64), ir.VectorType(i16, 64)
+        half_bytes, half_words = ir.VectorType(i8, 64), ir.VectorType(i16, 64)
         acc = cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * sums))
         scalars = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
 
         def element(data, g, stride, k):  # data[stride * g + k]
             return builder.load(builder.gep(data, [builder.add(builder.mul(g, intp(stride)), intp(k))]))
 
+        def bytes_at(offset):  # 64 bytes of src from offset
+            return builder.load(builder.bitcast(builder.gep(src_data, [offset]), half_bytes.as_pointer()), align=1)
+
         with cgutils.for_range(builder, groups) as loop:
             g = loop.index
-            loaded = builder.load(builder.bitcast(builder.gep(src_data, [builder.mul(g, intp(64))]),
-                                                  group_bytes.as_pointer()), align=1)
-            wide = builder.zext(loaded, group_words)
-            halves = (builder.and_(wide, ir.Constant(group_words, [15] * 64)),
-                      builder.lshr(wide, ir.Constant(group_words, [4] * 64)))
+            if int4:
+                wide = builder.zext(bytes_at(builder.mul(g, intp(64))), half_words)
+                halves = (builder.and_(wide, ir.Constant(half_words, [15] * 64)),
+                          builder.lshr(wide, ir.Constant(half_words, [4] * 64)))
+            else:
+                halves = tuple(builder.sext(bytes_at(builder.add(builder.mul(g, intp(128)), intp(k))), half_words)
+                               for k in (0, 64))
             group_codes = builder.gep(code_data, [builder.mul(g, intp(128))])
             dot = ir.Constant(pairs, [0] * sums)
-            for first_code, values in zip((0, 64), halves):  # low nibbles: the group's first 64 inputs
+            for first_code, values in zip((0, 64), halves):  # the group's first 64 inputs, then its last 64
                 for k in range(0, 64, lanes):
                     part = builder.shuffle_vector(values, values, ir.Constant(ir.VectorType(i32, lanes),
                                                                               list(range(k, k + lanes))))
                     code_ptr = builder.bitcast(builder.gep(group_codes, [intp(first_code + k)]), words.as_pointer())
                     dot = builder.add(dot, builder.call(pmadd, [part, builder.load(code_ptr, align=2)]))
-            group_scale, minimum = (element(scale_data, g, 2, k) for k in (0, 1))
-            step, total, correction = (element(extra_data, g, 3, k) for k in (0, 1, 2))
-            rest = builder.fadd(builder.fmul(correction, group_scale, flags=FAST_FLAGS),
-                                builder.fmul(total, minimum, flags=FAST_FLAGS), flags=FAST_FLAGS)
-            builder.store(builder.fadd(builder.load(scalars), rest, flags=FAST_FLAGS), scalars)
-            factor = builder.fmul(group_scale, step)
+            factor = element(extra_data, g, 3, 0)  # the codes' step
+            if int4:
+                scale_data = context.make_array(signature.args[2])(context, builder, args[2]).data
+                group_scale, minimum = (element(scale_data, g, 2, k) for k in (0, 1))
+                total, correction = (element(extra_data, g, 3, k) for k in (1, 2))
+                rest = builder.fadd(builder.fmul(correction, group_scale, flags=FAST_FLAGS),
+                                    builder.fmul(total, minimum, flags=FAST_FLAGS), flags=FAST_FLAGS)
+                builder.store(builder.fadd(builder.load(scalars), rest, flags=FAST_FLAGS), scalars)
+                factor = builder.fmul(group_scale, factor)
             splat = builder.shuffle_vector(builder.insert_element(ir.Constant(floats, None), factor, i32(0)),
                                            ir.Constant(floats, None), ir.Constant(ir.VectorType(i32, sums), [0] * sums))
             scaled = builder.fmul(builder.sitofp(dot, floats), splat, flags=FAST_FLAGS)
@@ -218,7 +217,52 @@ def pmadd_int4_row(typingctx, src, codes, scale_min, extra, groups):
                                                                                      list(range(k, k + width))))
                                    for k in (0, width)), flags=FAST_FLAGS)
         return builder.fadd(builder.extract_element(value, i32(0)), builder.load(scalars), flags=FAST_FLAGS)
-    return types.float32(src, codes, scale_min, extra, groups), codegen
+    return codegen
+
+
+def check_row_arguments(name, arrays, wanted, groups):
+    """Raises numba's TypingError unless the arrays are 1-D and C-contiguous, of the wanted dtypes (None: any), and
+    groups an integer."""
+    if not isinstance(groups, types.Integer) or not all(
+            isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and d in (None, a.dtype)
+            for a, d in zip(arrays, wanted)):
+        raise TypingError(f"{name} needs 1-D C-contiguous arrays (codes int16, scales float32) and a group count; "
+                          f"got {arrays}, {groups}")
+
+
+@intrinsic
+def pmadd_int4_row(typingctx, src, codes, scale_min, extra, groups):
+    """loop_int4_row for groups of 128 (64 bytes), in vector code (pmadd_codegen). LLVM's own vectorising of
+    loop_int4_row uses 128-bit vectors and sums each group across its lanes: 2.6x the time on an AVX-512 Xeon.
+    Arrays 1-D, C-contiguous: src uint8 (64 bytes a group), codes int16, scale_min and extra float32 (row_dot's; src is
+    read as bytes, as row_dot's branches for other formats are compiled too)."""
+    check_row_arguments("pmadd_int4_row", (src, codes, scale_min, extra), (None, types.int16, types.float32,
+                                                                           types.float32), groups)
+    return types.float32(src, codes, scale_min, extra, groups), pmadd_codegen(int4=True)
+
+
+@intrinsic
+def pmadd_int8_row(typingctx, src, codes, extra, groups):
+    """loop_int8_row in vector code (pmadd_codegen): an int8 matrix of 12288 x 1024 read from memory at 18.0-18.6
+    GB/s, against 13.0-14.4 for the fp32 loop (converted weights times fp32 activations) on an AVX-512 Xeon, which
+    is bound by its instructions (14 GB/s from the cache too). Arrays as pmadd_int4_row's (src int8, 128 bytes a
+    group)."""
+    check_row_arguments("pmadd_int8_row", (src, codes, extra), (None, types.int16, types.float32), groups)
+    return types.float32(src, codes, extra, groups), pmadd_codegen(int4=False)
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def loop_int8_row(src, codes, extra, groups):
+    """An int8 row of `groups` groups of CODE_GROUP inputs dotted with the activations row_extras coded (codes,
+    extra): per group, its step times the integer sum of weights times codes (which fits int32: 128 products of at
+    most 127 * 32767)."""
+    acc = np.float32(0.0)
+    for g in range(groups):
+        dot = np.int32(0)
+        for k in range(g * CODE_GROUP, (g + 1) * CODE_GROUP):
+            dot = np.int32(dot + np.int32(src[k]) * np.int32(codes[k]))
+        acc += np.float32(dot) * extra[3 * g]
+    return acc
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
@@ -231,6 +275,7 @@ def pmadd_or_loop_int4_row(src, codes, scale_min, extra, groups):
 
 
 int4_row = pmadd_or_loop_int4_row if PMADD_LANES else loop_int4_row
+int8_row = pmadd_int8_row if PMADD_LANES else loop_int8_row
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
@@ -257,19 +302,25 @@ def row_dot(fmt, q, scale, e, r, x, extra, codes):
     that LLVM vectorises. `extra` and `codes` are what row_extras made of x for the format (int4: x's int16 codes
     and each group's step, sum and rounding correction; FP8: x times FP8_INPUT_SCALE)."""
     acc = np.float32(0.0)
+    n = x.shape[0]
     # FP8 rows are computed more slowly than memory delivers them: prefetching cost them 0-10% of a routed step
     if fmt != FP8:
         prefetch_ahead(q, e, r)
     if fmt == INT8:
         width = q.shape[3]
-        for c in range(q.shape[1]):
-            src = q[e, c, r]
-            part = x[c * width:(c + 1) * width]
-            for j in range(width):
-                acc += np.float32(src[j]) * part[j]
+        if n % CODE_GROUP == 0:  # coded by row_extras; each column chunk holds whole groups
+            groups = width // CODE_GROUP
+            for c in range(q.shape[1]):
+                acc += int8_row(q[e, c, r], codes[c * width:(c + 1) * width],
+                                extra[3 * c * groups:3 * (c + 1) * groups], groups)
+        else:
+            for c in range(q.shape[1]):
+                src = q[e, c, r]
+                part = x[c * width:(c + 1) * width]
+                for j in range(width):
+                    acc += np.float32(src[j]) * part[j]
         return acc * scale[e, r, 0]
     src = q[e, 0, r]
-    n = x.shape[0]
     if fmt == INT4:
         return int4_row(src, codes, scale[e, r], extra, scale.shape[2] // 2)
     if fmt == BF16:
@@ -311,18 +362,27 @@ def rows_dot(fmt, q, scale, e, first, end, x, extra, codes, out):
 def row_extras(fmt, scale, x):
     """What row_dot reads of each row of x [T, in] besides x, as (extra float32 [T, k], codes int16 [T, m]).
 
-    int4: each group of inputs as int16 codes, x ~ code * step, the step the group's largest |x| / 32767 (integer
-    products of nibbles and codes ran 1.1-1.6x as fast as fp32 ones on an AVX-512 Xeon). extra holds, per group, the
-    step, the sum of x, and 7.5 times the codes' rounding error summed over the group: a row's group is scale *
-    (step * sum(nibble * code) + that correction) + minimum * sum(x), so the rounding errors are weighted by the
-    nibbles less their mean, not by the nibbles (4x smaller in the tests).
+    int4, and int8 when the inputs are in groups of CODE_GROUP: the activations as int16 codes (coded_groups).
     FP8: extra is the row times FP8_INPUT_SCALE ([T, in]): an e4m3 weight reads as 2^-120 times its value, and its
     products with activations would often fall below fp32's normal range, which Intel CPUs compute with microcode
     assists (2-3x an FP8 row's time). Nothing for the others."""
-    if fmt != INT4:
-        extra = x * FP8_INPUT_SCALE if fmt == FP8 else np.zeros((x.shape[0], 1), np.float32)
-        return extra, np.zeros((x.shape[0], 1), np.int16)
-    groups = scale.shape[2] // 2
+    if fmt == INT4:
+        return coded_groups(x, scale.shape[2] // 2)
+    if fmt == INT8 and x.shape[1] % CODE_GROUP == 0:
+        return coded_groups(x, x.shape[1] // CODE_GROUP)
+    extra = x * FP8_INPUT_SCALE if fmt == FP8 else np.zeros((x.shape[0], 1), np.float32)
+    return extra, np.zeros((x.shape[0], 1), np.int16)
+
+
+@njit(cache=True)
+def coded_groups(x, groups):
+    """Each of the `groups` groups of inputs of each row of x [T, in] as int16 codes, x ~ code * step, the step the
+    group's largest |x| / 32767 (integer products of weights and codes ran 1.1-1.6x as fast as fp32 ones for int4 and
+    1.3-1.5x for int8 on an AVX-512 Xeon), as (extra [T, 3 * groups], codes [T, in]). extra holds, per group, the
+    step, the sum of x, and 7.5 times the codes' rounding error summed over the group: an int4 row's group is scale *
+    (step * sum(nibble * code) + that correction) + minimum * sum(x), so the rounding errors are weighted by the
+    nibbles less their mean, not by the nibbles (4x smaller in the tests). int8 weights are centred on zero and read
+    the step alone. Each input is off by at most 1/65534 of its group's largest |x|."""
     size = x.shape[1] // groups
     extra = np.zeros((x.shape[0], 3 * groups), np.float32)
     codes = np.zeros(x.shape, np.int16)

@@ -85,11 +85,12 @@ def plain_cpu(*tensors: torch.Tensor) -> bool:
 
 def check_kernels(kernels: ModuleType) -> None:
     """One routed step of two rows on tiny int8 and int4 experts, and on the int8 ones in bf16 (the kernels' three
-    compiled signatures), equals the same step in fp64; the int8 and int4 experts dequantise to their own weights, in
-    fp32 and rounded to bf16."""
+    compiled signatures), equals the same step in fp64, with rows of 128 inputs (the vector code of int8's and int4's
+    codes) and of 32 (their loops); the int8 and int4 experts dequantise to their own weights, in fp32 and rounded to
+    bf16."""
     g = torch.Generator().manual_seed(0)
-    matrices = [(torch.randn(64, 64, generator=g), torch.randn(64, 32, generator=g)) for _ in range(4)]
-    stores = [QuantizedExperts(fmt, 4, 64, 32) for fmt in ("int8", "int4")]
+    matrices = [(torch.randn(64, 128, generator=g), torch.randn(128, 32, generator=g)) for _ in range(4)]
+    stores = [QuantizedExperts(fmt, 4, 128, 32) for fmt in ("int8", "int4")]
     for store in stores:
         for e, (gate_up, down) in enumerate(matrices):
             store.gate_up_proj.set(e, gate_up)
@@ -97,11 +98,11 @@ def check_kernels(kernels: ModuleType) -> None:
     int8 = stores[0]
     stores.append(CpuFloatExperts(*(nn.Parameter(torch.stack([stack.dequantize(e) for e in range(4)]).bfloat16())
                                     for stack in (int8.gate_up_proj, int8.down_proj))))
-    x = torch.randn(2, 64, generator=g)
+    x = torch.randn(2, 128, generator=g)
     ids, weights = torch.tensor([[1, 3], [3, 0]]), torch.tensor([[0.6, 0.4], [0.7, 0.3]])
     for store in stores:
         got = KernelExperts(store, kernels).routed_step(x, ids, weights).double()
-        want = torch.zeros(2, 64, dtype=torch.float64)
+        want = torch.zeros(2, 128, dtype=torch.float64)
         for t in range(2):
             for e, w in zip(ids[t].tolist(), weights[t].tolist()):
                 gate, up = (matrix(store.gate_up_proj, e).double() @ x[t].double()).chunk(2)
