@@ -46,7 +46,7 @@ FP8_INPUT_SCALE = np.float32(2.0 ** 64)  # FP8 rows' activations are multiplied 
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorised); no assumption that values are finite
 FAST_FLAGS = tuple(sorted(FAST))  # the same, for LLVM instructions written by hand (pmadd_int4_row)
 PREFETCH_BYTES = 4096  # how far ahead of the row being read row_dot asks for the next rows' cache lines
-CODE_GROUP = 128  # int8 rows' activations are coded in groups of this many inputs (row_extras)
+CODE_GROUP = 128  # int8 rows' activations are coded per this many inputs (row_extras): pmadd_codegen's group
 
 
 def pmadd_lanes() -> int:

@@ -279,17 +279,18 @@ def checked_step_kernels() -> ModuleType | None:
 
 
 def check_step_kernels(kernels: ModuleType) -> None:
-    """A product of two fp32 rows and of two bf16 rows with a bf16, an int8 and an int4 matrix; a DeltaNet step
+    """A product of two fp32 rows and of two bf16 rows with a bf16, an int8 and an int4 matrix (of 128 inputs: int8's
+    and int4's rows multiply codes of the activations, in vector code where the CPU has it); a DeltaNet step
     from an empty state and history, where the delta rule reduces to o = (q . k) * beta * v; an RMSNorm of three bf16
     rows."""
     g = torch.Generator().manual_seed(0)
-    weight, x = torch.randn(64, 64, generator=g).bfloat16(), torch.randn(2, 64, generator=g)
+    weight, x = torch.randn(64, 128, generator=g).bfloat16(), torch.randn(2, 128, generator=g)
     matrices = {"bf16": weight[None], **{fmt: QuantizedLinear(fmt, weight.float()).matrix for fmt in ("int8", "int4")}}
     for fmt, matrix in matrices.items():
         kernel, exact = DenseKernel(fmt, matrix, kernels), (matrix[0] if fmt == "bf16" else matrix.dequantize(0)).float()
         for rows, bound in ((x, 1e-4), (x.bfloat16(), 1e-2)):  # bf16: the result rounded to bf16
             want = rows.float() @ exact.t()
-            # bounds as a fraction of the largest |result|: int4 rows multiply int16 codes of the activations
+            # bounds as a fraction of the largest |result|: int4 and int8 rows multiply int16 codes of activations
             if not torch.allclose(kernel(rows).float(), want, rtol=bound, atol=bound * want.abs().max().item()):
                 raise ValueError("the dense kernel's product differs from torch's")
     heads, dim, taps = 2, 16, 4
