@@ -8,10 +8,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from a3b_core import load_model
-from a3b_core.backends.experts import INT8_K_CHUNK, CpuFloatExperts, QuantizedExperts, dequantize_int4, \
-    int4_group_size, quantize_int4
+from a3b_core.backends.experts import CpuFloatExperts, QuantizedExperts, dequantize_int4, int4_group_size, quantize_int4
 from a3b_core.backends.kernel_experts import FORMAT_CODES, KernelExperts, compiled_kernels, dequantized, \
-    kernels_enabled, matrix, swap_in_kernels
+    kernel_arrays, kernels_enabled, matrix, swap_in_kernels
 from a3b_core.models.layers import RoutedExperts
 from tests.fake_cuda import FakeCuda
 
@@ -331,14 +330,15 @@ def test_int8_rows_at_each_vector_width(inputs, lanes, monkeypatch):
     activations. Rows of 127 and -127 times activations coded as 32767 sum without overflow."""
     rows = rows_compiled_at(lanes, FORMAT_CODES["int8"], monkeypatch)
     g = torch.Generator().manual_seed(4)
-    weights = torch.randint(-127, 128, (24, inputs), generator=g, dtype=torch.int8)
-    weights[-2], weights[-1] = 127, -127
-    scale = torch.rand(24, generator=g) + 0.5
-    chunk = INT8_K_CHUNK if inputs % INT8_K_CHUNK == 0 else inputs
-    q = weights.view(24, -1, chunk).transpose(0, 1).contiguous()[None]  # [1, chunks, out, chunk], as the store's
+    weights = torch.randn(24, inputs, generator=g)
+    weights[-2], weights[-1] = 1.0, -1.0  # quantised to rows of 127 and of -127
+    stack = QuantizedExperts("int8", 1, inputs, 12).gate_up_proj
+    stack.set(0, weights)
+    q, scale = kernel_arrays("int8", stack)
+    assert q[0, :, -1].min() == -127 and (q.shape[1] == 2) == (inputs == 1024)
     for activations in (torch.randn(1, inputs, generator=g), torch.ones(1, inputs)):
         out = torch.empty(24)
-        rows(q.numpy(), scale.view(1, 24, 1).numpy(), activations.numpy(), out.numpy())
-        want = (weights.double() * scale.double()[:, None]) @ activations[0].double()
+        rows(q, scale, activations.numpy(), out.numpy())
+        want = stack.dequantize(0).double() @ activations[0].double()
         assert relative_error(out, want) < CODES_BOUND
-    assert abs(out[-1].item() / (-127 * inputs * scale[-1].item()) - 1) < 1e-6
+    assert abs(out[-1].item() / want[-1].item() - 1) < 1e-6

@@ -44,7 +44,7 @@ E4M3_BITS = np.int32(-0x78000001)  # 0x87FFFFFF: sign, fp32 exponent and mantiss
 E4M3_SCALE = np.float32(2.0 ** 120)  # fp32's exponent bias less e4m3's
 FP8_INPUT_SCALE = np.float32(2.0 ** 64)  # FP8 rows' activations are multiplied by it (row_extras)
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorised); no assumption that values are finite
-FAST_FLAGS = tuple(sorted(FAST))  # the same, for LLVM instructions written by hand (pmadd_int4_row)
+FAST_FLAGS = tuple(sorted(FAST))  # the same, for LLVM instructions written by hand (pmadd_codegen)
 PREFETCH_BYTES = 4096  # how far ahead of the row being read row_dot asks for the next rows' cache lines
 CODE_GROUP = 128  # int8 rows' activations are coded per this many inputs (row_extras): pmadd_codegen's group
 
@@ -173,6 +173,8 @@ def pmadd_codegen(int4: bool):
         half_bytes, half_words = ir.VectorType(i8, 64), ir.VectorType(i16, 64)
         acc = cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * sums))
         scalars = cgutils.alloca_once_value(builder, ir.Constant(f32, 0.0))
+        if int4:
+            scale_data = context.make_array(signature.args[2])(context, builder, args[2]).data
 
         def element(data, g, stride, k):  # data[stride * g + k]
             return builder.load(builder.gep(data, [builder.add(builder.mul(g, intp(stride)), intp(k))]))
@@ -199,7 +201,6 @@ def pmadd_codegen(int4: bool):
                     dot = builder.add(dot, builder.call(pmadd, [part, builder.load(code_ptr, align=2)]))
             factor = element(extra_data, g, 3, 0)  # the codes' step
             if int4:
-                scale_data = context.make_array(signature.args[2])(context, builder, args[2]).data
                 group_scale, minimum = (element(scale_data, g, 2, k) for k in (0, 1))
                 total, correction = (element(extra_data, g, 3, k) for k in (1, 2))
                 rest = builder.fadd(builder.fmul(correction, group_scale, flags=FAST_FLAGS),
@@ -278,6 +279,13 @@ int4_row = pmadd_or_loop_int4_row if PMADD_LANES else loop_int4_row
 int8_row = pmadd_int8_row if PMADD_LANES else loop_int8_row
 
 
+@njit(cache=True, inline="always")
+def int8_coded(inputs):
+    """Whether int8 rows of `inputs` inputs multiply codes of the activations (whole groups of CODE_GROUP; a column
+    chunk then holds whole groups too): row_extras codes them and row_dot reads them."""
+    return inputs % CODE_GROUP == 0
+
+
 @njit(cache=True, fastmath=FAST, inline="always")
 def e4m3_dot(src, x, first, length):
     """e4m3 bytes src[first:first + length] dotted with x[first:first + length] (the weights read as e4m3_value)."""
@@ -308,7 +316,7 @@ def row_dot(fmt, q, scale, e, r, x, extra, codes):
         prefetch_ahead(q, e, r)
     if fmt == INT8:
         width = q.shape[3]
-        if n % CODE_GROUP == 0:  # coded by row_extras; each column chunk holds whole groups
+        if int8_coded(n):
             groups = width // CODE_GROUP
             for c in range(q.shape[1]):
                 acc += int8_row(q[e, c, r], codes[c * width:(c + 1) * width],
@@ -368,7 +376,7 @@ def row_extras(fmt, scale, x):
     assists (2-3x an FP8 row's time). Nothing for the others."""
     if fmt == INT4:
         return coded_groups(x, scale.shape[2] // 2)
-    if fmt == INT8 and x.shape[1] % CODE_GROUP == 0:
+    if fmt == INT8 and int8_coded(x.shape[1]):
         return coded_groups(x, x.shape[1] // CODE_GROUP)
     extra = x * FP8_INPUT_SCALE if fmt == FP8 else np.zeros((x.shape[0], 1), np.float32)
     return extra, np.zeros((x.shape[0], 1), np.int16)
