@@ -12,8 +12,8 @@ from a3b_core.backends import kernel_steps
 from a3b_core.backends.dense import QuantizedLinear
 from a3b_core.backends.experts import TorchInt4Stack
 from a3b_core.backends.kernel_experts import compiled_kernels, kernels_enabled
-from a3b_core.backends.kernel_steps import BF16_KERNEL_MIN_ROWS, DeltaNetKernel, DenseKernel, MoeStepKernel, \
-    NormKernel, attach_step_kernels
+from a3b_core.backends.kernel_steps import BF16_KERNEL_MIN_ROWS, DeltaNetKernel, DeltaNetLayerKernel, DenseKernel, \
+    MoeStepKernel, NormKernel, attach_step_kernels
 from a3b_core.backends.products import CpuLinear, FusedLinear, linear
 from a3b_core.models.qwen3_5.cache import Cache
 from a3b_core.models.qwen3_5.config import parse_text_config
@@ -173,6 +173,36 @@ def test_moe_step_equals_the_blocks_kernel_path(fixtures, which, weight_format, 
             assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -8).all()
 
 
+@pytest.mark.parametrize("which, weight_format, dense_format", MOE_STEP_CASES)
+def test_deltanet_layer_step_equals_the_layers_kernel_path(fixtures, which, weight_format, dense_format, monkeypatch,
+                                                           one_thread):
+    """Each DeltaNet layer's one-call step of two decoding rows returns what the layer's own path with the separate
+    kernels returns (within one bf16 rounding: projections torch computes there are summed as the dense kernel sums
+    them), and leaves the same conv history and state."""
+    monkeypatch.delenv("A3B_NO_NUMBA", raising=False)
+    model = load_model(getattr(fixtures, which), preset="cpu", compute_dtype="bfloat16", weight_format=weight_format,
+                       dense_format=dense_format)
+    layers = [layer for layer in model.text.layers if hasattr(layer, "linear_attn")]
+    assert layers and all(isinstance(layer.step_kernel, DeltaNetLayerKernel) for layer in layers)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 1, model.text.cfg.hidden_size, generator=g).bfloat16()
+    caches = [model.new_cache(2, 4) for _ in range(2)]
+    for name in ("conv", "state"):  # the same random history and state in both
+        for layer, t in getattr(caches[0], name).items():
+            getattr(caches[1], name)[layer].copy_(t.copy_(torch.randn(t.shape, generator=g) * 0.1))
+    with torch.no_grad():
+        for layer in layers:
+            got = layer(x, None, None, caches[0], None, None)
+            kernel, layer.step_kernel = layer.step_kernel, None
+            want = layer(x, None, None, caches[1], None, None)
+            layer.step_kernel = kernel
+            assert got.dtype == torch.bfloat16 and got.shape == x.shape
+            assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -8).all()  # measured: equal
+    for name in ("conv", "state"):
+        for layer, t in getattr(caches[0], name).items():
+            assert torch.allclose(t, getattr(caches[1], name)[layer], rtol=1e-5, atol=1e-6)
+
+
 def attached(model) -> Counter:
     """How many of each kernel a model's text model has attached (rows_kernel, step_kernel, norm_kernel)."""
     return Counter(type(kernel).__name__ for module in model.text.modules()
@@ -202,6 +232,7 @@ def test_bf16_models_decode_the_same_with_step_kernels(fixtures, which, dense_fo
     norms = sum(isinstance(m, RMSNorm) for m in with_kernels.text.modules())
     assert kernels["DeltaNetKernel"] == 3 and kernels["NormKernel"] == norms and not attached(torch_path)
     assert kernels["MoeStepKernel"] == (4 if which.startswith("moe") else 0)
+    assert kernels["DeltaNetLayerKernel"] == (3 if which.startswith("moe") else 0)
     assert (kernels["DenseKernel"] > 0) == (dense_format != "auto")
     assert (with_kernels.logits(ids).float() - torch_path.logits(ids).float()).abs().max() < MODEL_LOGIT_BOUND
     tokens = with_kernels.generate(ids[0], max_new_tokens=8, temperature=0).token_ids

@@ -1,6 +1,7 @@
 """The numba kernels of kernel_experts.py and kernel_steps.py: one layer's routed-expert step for a few rows in one
 compiled call, a dense matrix's product with a few rows, a quantised matrix dequantised (for products of many rows),
-a Gated DeltaNet layer's decoding step, a Qwen3.5 MoE block's decoding step and RMSNorms of bf16 rows.
+a Gated DeltaNet layer's decoding step, a Qwen3.5 MoE block's decoding step, RMSNorms of bf16 rows, and a
+Qwen3.5 DeltaNet decoder layer's whole decoding step made of these.
 
 Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row in
 loops over its contiguous bytes: int4, and int8 rows whose inputs come in groups of CODE_GROUP, multiply their weights
@@ -616,10 +617,9 @@ def gated_delta_step(qkv, z, beta_in, a_in, conv_w, history, a_log, dt_bias, nor
 
 
 @njit(cache=True, fastmath=FAST)
-def rms_norm_bf16(x, weight, eps, out):
-    """RMSNorm of bf16 rows (bit patterns, int16 [N, D]) times weight (fp32 [D]), in fp32, each result rounded to
-    bf16 into out (int16 [N, D]): torch's F.rms_norm of the rows in fp32, then .to(bfloat16)."""
-    rows = bf16_rows(x)
+def rms_norm_rows(rows, weight, eps):
+    """Each row of rows (fp32 [N, D]) replaced in place by its RMSNorm times weight (fp32 [D]), in fp32: torch's
+    F.rms_norm of the rows in fp32 (the caller rounds to bf16)."""
     d = rows.shape[1]
     for row in rows:
         squares = np.float32(0.0)
@@ -628,6 +628,14 @@ def rms_norm_bf16(x, weight, eps, out):
         scale = np.float32(1.0) / np.sqrt(squares / d + eps)
         for k in range(d):
             row[k] = row[k] * scale * weight[k]
+
+
+@njit(cache=True)
+def rms_norm_bf16(x, weight, eps, out):
+    """RMSNorm of bf16 rows (bit patterns, int16 [N, D]) times weight (fp32 [D]), in fp32, each result rounded to
+    bf16 into out (int16 [N, D]): torch's F.rms_norm of the rows in fp32, then .to(bfloat16)."""
+    rows = bf16_rows(x)
+    rms_norm_rows(rows, weight, eps)
     bf16_bits(rows, out)
 
 
@@ -673,13 +681,21 @@ def bf16_product(code, q, scale, x):
 @njit(cache=True)
 def sparse_moe_step(router_q, mix_q, no_scale, code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale,
                     routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, x_bits, out):
-    """A Qwen3.5 sparse MoE block's decoding step (models/qwen3_5/text.py, SparseMoE.forward) for the bf16 rows of
-    x_bits (int16 [T, H]) into out (int16 [T, H], bf16): the router's product and the shared expert's mixing weight
-    (router_q, mix_q: bf16 [1, 1, rows, H], no_scale their empty scale), the top-k softmax routing, the routed
-    experts (routed_step with routed_code's arrays) and the shared expert (gate, up, down in `code`'s format) scaled
-    by the sigmoid of its mixing weight. Each intermediate is rounded to bf16 where torch's bf16 path rounds it, so
-    the step returns what that path returns with the dense and routed kernels, up to fp32 rounding."""
-    x = bf16_rows(x_bits)
+    """A Qwen3.5 sparse MoE block's decoding step (moe_step) for the bf16 rows of x_bits (int16 [T, H]) into out
+    (int16 [T, H], bf16)."""
+    bf16_bits(moe_step(router_q, mix_q, no_scale, code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale,
+                       routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, bf16_rows(x_bits)), out)
+
+
+@njit(cache=True)
+def moe_step(router_q, mix_q, no_scale, code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale,
+             routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, x):
+    """A Qwen3.5 sparse MoE block's decoding step (models/qwen3_5/text.py, SparseMoE.forward) for rows x (fp32 [T, H]
+    holding bf16 values), returned as fp32 [T, H] holding bf16 values: the router's product and the shared expert's
+    mixing weight (router_q, mix_q: bf16 [1, 1, rows, H], no_scale their empty scale), the top-k softmax routing, the
+    routed experts (routed_step with routed_code's arrays) and the shared expert (gate, up, down in `code`'s format)
+    scaled by the sigmoid of its mixing weight. Each intermediate is rounded to bf16 where torch's bf16 path rounds
+    it, so the step returns what that path returns with the dense and routed kernels, up to fp32 rounding."""
     tokens = x.shape[0]
     logits = bf16_product(BF16, router_q, no_scale, x)
     mix = bf16_product(BF16, mix_q, no_scale, x)
@@ -725,4 +741,38 @@ def sparse_moe_step(router_q, mix_q, no_scale, code, gate_q, gate_scale, up_q, u
         shared[t] *= mix_weight[t]
     round_bf16(shared.reshape(-1))
     shared += routed
-    bf16_bits(shared, out)
+    round_bf16(shared.reshape(-1))
+    return shared
+
+
+@njit(cache=True)
+def deltanet_layer_step(in_norm, post_norm, norm_eps, code, qkv_q, qkv_scale, z_q, z_scale, b_q, a_q, out_q,
+                        out_scale, conv_w, a_log, dt_bias, gate_norm, key_heads, router_q, mix_q, no_scale,
+                        shared_code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale, routed_code, inter, gu_q,
+                        gu_scale, dn_q, dn_scale, top_k, history, state, x_bits, out):
+    """A Qwen3.5 Gated DeltaNet decoder layer's decoding step (models/qwen3_5/text.py, DecoderLayer.forward) for the
+    bf16 rows of x_bits (int16 [T, H]) into out (int16 [T, H], bf16): the input norm (in_norm, its scale with the
+    offset added), the input projections (qkv and z in `code`'s format, b and a bf16 with no_scale), the DeltaNet step
+    (gated_delta_step on history and state, updated; its gated norm's weight gate_norm and eps norm_eps), the output
+    projection (`code`'s format), the residual, the post-attention norm, the MoE block (moe_step's arguments) and the
+    residual. Each intermediate is rounded to bf16 where the layer's path with the separate kernels rounds it, so the
+    step returns what that path returns."""
+    x = bf16_rows(x_bits)
+    h = x.copy()
+    rms_norm_rows(h, in_norm, norm_eps)
+    round_bf16(h.reshape(-1))
+    qkv = bf16_product(code, qkv_q, qkv_scale, h)
+    z = bf16_product(code, z_q, z_scale, h)
+    beta = bf16_product(BF16, b_q, no_scale, h)
+    a = bf16_product(BF16, a_q, no_scale, h)
+    mixed = np.empty(z.shape, np.float32)
+    gated_delta_step(qkv, z, beta, a, conv_w, history, a_log, dt_bias, gate_norm, norm_eps, key_heads, state, mixed)
+    round_bf16(mixed.reshape(-1))
+    x += bf16_product(code, out_q, out_scale, mixed)
+    round_bf16(x.reshape(-1))
+    h = x.copy()
+    rms_norm_rows(h, post_norm, norm_eps)
+    round_bf16(h.reshape(-1))
+    x += moe_step(router_q, mix_q, no_scale, shared_code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale,
+                  routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, h)
+    bf16_bits(x, out)

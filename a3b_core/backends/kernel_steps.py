@@ -1,7 +1,7 @@
 """Decoding work other than the routed experts computed by the numba kernels (cpu_kernels.py), attached at load to
 the modules that call them: a dense matrix's product with a few rows (a quantised matrix's products of more rows take
-its kernel-dequantised weights), a Gated DeltaNet layer's token step, a Qwen3.5 MoE block's whole token step, and
-RMSNorms of a decoding step's bf16 rows.
+its kernel-dequantised weights), a Gated DeltaNet layer's token step, a Qwen3.5 MoE block's whole token step,
+RMSNorms of a decoding step's bf16 rows, and a Qwen3.5 DeltaNet decoder layer's whole token step.
 
 A decoding step of the text model is mostly small products and many small torch calls, each with a fixed cost
 (2-6 us on a 2-core Xeon, where torch's RMSNorm of one 1024-wide bf16 row took 2.5-2.7x the norm kernel's call:
@@ -18,6 +18,11 @@ A decoding step of the text model is mostly small products and many small torch 
   path rounds them, so that it returns what the block computes with the separate kernels.
 - RMSNorms of a decoding step's bf16 rows (inputs [B, 1, ...]): each result rounded to bf16, as torch's (its sum
   in another order: a result may differ by one bf16 rounding, so a prefill keeps torch's norm).
+- A Qwen3.5 DeltaNet decoder layer's whole step (its norms, projections, DeltaNet step, MoE block and residuals) in
+  one call of the kernels above: each call from Python costs more than small kernels' work (an RMSNorm's call took
+  18 us, of which the kernel 4.6), and a layer made about ten of them. int8 experts with dense int8 decoded at 26-28
+  against 20-24 tokens/s on the bench model, int4 with dense int4 at 32-38 against 22-31, bf16 at 16-17 against
+  14-15 (2 threads, alternating).
 The products and the DeltaNet step compute in fp32 (the DeltaNet step is the fp32 computation itself; torch's bf16
 path rounds its intermediates to bf16), and a row's result does not depend on the other rows of a batch. bf16 rows
 pass to and from the kernels as their bit patterns (int16), with no torch conversion. The kernels are attached only
@@ -151,12 +156,7 @@ class MoeStepKernel:
     @classmethod
     def of(cls, moe: nn.Module, kernels: ModuleType) -> MoeStepKernel | None:
         """The kernel of a SparseMoE whose matrices and experts the kernels read, or None."""
-        fused = moe.fused_projection
-        if isinstance(fused, FusedLinear):
-            split = dict(zip(moe.input_projections, fused.weight.split(fused.sizes)))
-            matrices = [split.get(name) for name in MOE_PARTS[:-1]] + [moe.shared_expert.down_proj]
-        else:
-            matrices = [moe.get_submodule(name) for name in MOE_PARTS]
+        matrices = [*input_matrices(moe), moe.shared_expert.down_proj]
         parts = [dense_kernel(m, kernels) for m in matrices]
         if not isinstance(moe.experts, KernelExperts) or any(p is None for p in parts):
             return None
@@ -178,6 +178,90 @@ class MoeStepKernel:
             set_threads(self.kernels)
             self.kernels.sparse_moe_step(*self.arrays, rows, out.numpy())
         return bf16_tensor(out, x.shape)
+
+
+class DeltaNetLayerKernel:
+    """A Qwen3.5 Gated DeltaNet decoder layer's decoding step in one numba call (cpu_kernels.deltanet_layer_step), for
+    the layer that calls it: its two norms, input projections, DeltaNet step, output projection, MoE block and
+    residuals, from the arrays of its parts' kernels (the matrices read where they are held). Eight kernel calls and
+    about 20 torch calls become one. It returns what the layer's path with the separate kernels returns, except that
+    projections torch computes there (bf16 matrices below BF16_KERNEL_MIN_ROWS rows, such as the b and a projections)
+    are summed as the dense kernel sums them: a result may differ by one bf16 rounding."""
+
+    def __init__(self, layer: int, delta: DeltaNetKernel, arrays: tuple, kernels: ModuleType):
+        self.layer, self.delta, self.arrays, self.kernels = layer, delta, arrays, kernels
+
+    @classmethod
+    def of(cls, layer: nn.Module, kernels: ModuleType) -> DeltaNetLayerKernel | None:
+        """The kernel of a DeltaNet decoder layer whose norms, DeltaNet step and MoE block have their kernels and
+        whose projections the kernels read (qkv, z and the output projection in one format, b and a bf16), once it
+        reproduces the layer's path; else None."""
+        mixer = layer.linear_attn
+        norms = (layer.input_layernorm.norm_kernel, layer.post_attention_layernorm.norm_kernel)
+        delta, moe = mixer.step_kernel, getattr(layer.mlp, "step_kernel", None)
+        if not (all(isinstance(n, NormKernel) for n in norms) and isinstance(delta, DeltaNetKernel)
+                and isinstance(moe, MoeStepKernel) and norms[0].eps == norms[1].eps == delta.eps):
+            return None
+        qkv, z, b, a, out = (dense_kernel(m, kernels) for m in (*input_matrices(mixer), mixer.out_proj))
+        if any(p is None for p in (qkv, z, b, a, out)) or not qkv.fmt == z.fmt == out.fmt \
+                or not b.fmt == a.fmt == "bf16":
+            return None
+        arrays = (norms[0].scale, norms[1].scale, delta.eps, qkv.code, *qkv.arrays, *z.arrays, b.arrays[0],
+                  a.arrays[0], *out.arrays, delta.conv_w, delta.a_log, delta.dt_bias, delta.norm_w, delta.key_heads,
+                  *moe.arrays)
+        kernel = cls(mixer.layer, delta, arrays, kernels)
+        return kernel if checked_layer_step(kernel, layer) else None
+
+    def takes(self, x: torch.Tensor, cache) -> bool:
+        """Whether the kernel computes this step: a decoding step's (one token per sequence) plain bf16 CPU rows,
+        with a cache whose DeltaNet tensors the kernel updates in place."""
+        return x.dtype == torch.bfloat16 and x.shape[1] == 1 and plain_cpu(x) and cache is not None \
+            and self.delta.takes(cache.conv_state(self.layer), cache.recurrent_state(self.layer))
+
+    def __call__(self, x: torch.Tensor, cache) -> torch.Tensor:
+        """The layer's output for decoding rows x [B, 1, H] (bf16); the cache's conv history and state updated."""
+        rows, out = bf16_arrays(x)
+        history, state = cache.conv_state(self.layer).numpy(), cache.recurrent_state(self.layer).numpy()
+        with LOCK:
+            set_threads(self.kernels)
+            self.kernels.deltanet_layer_step(*self.arrays, history, state, rows, out.numpy())
+        return bf16_tensor(out, x.shape)
+
+
+def checked_layer_step(kernel: DeltaNetLayerKernel, layer: nn.Module) -> bool:
+    """Whether the layer kernel compiles and reproduces two decoding rows of its layer's own path (from a random conv
+    history and state), within bf16's roundings: the compile happens at load, not in the middle of a generation.
+    False with a warning if not."""
+    mixer = layer.linear_attn
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 1, layer.input_layernorm.weight.shape[0], generator=g).bfloat16()
+    history = torch.randn(2, mixer.conv1d.weight.shape[-1] - 1, mixer.conv_dim, generator=g)
+    state = torch.randn(2, mixer.nv, mixer.dk, mixer.dv, generator=g) * 0.1
+    caches = [SimpleNamespace(conv_state=lambda _, h=history.clone(): h, recurrent_state=lambda _, s=state.clone(): s)
+              for _ in range(2)]
+    try:
+        got = kernel(x, caches[0]).float()
+        with torch.no_grad():
+            want = layer(x, None, None, caches[1], None, None).float()
+        pairs = [(got, want), *((getter(0), other(0)) for getter, other in
+                                ((caches[0].conv_state, caches[1].conv_state),
+                                 (caches[0].recurrent_state, caches[1].recurrent_state)))]
+        if not all(torch.allclose(a, b, rtol=0.03, atol=0.03 * b.abs().max().item()) for a, b in pairs):
+            raise ValueError("the layer step differs from the layer's")
+    except Exception as exc:  # numba's compile errors have many types; any failure means the separate kernels
+        warnings.warn(f"a3b_core: numba could not compile the CPU decoder layer step ({exc}); using separate kernel "
+                      "calls.", stacklevel=2)
+        return False
+    return True
+
+
+def input_matrices(module: nn.Module) -> list[nn.Module | torch.Tensor]:
+    """The matrices of the Linears named in `module.input_projections`, in order: each Linear, or its rows of the
+    fused projection's bf16 weight that took their place (backends/products.py)."""
+    fused = module.fused_projection
+    if isinstance(fused, FusedLinear):
+        return list(fused.weight.split(fused.sizes))
+    return [module.get_submodule(name) for name in module.input_projections]
 
 
 def bf16_arrays(x: torch.Tensor, out_width: int | None = None) -> tuple[np.ndarray, torch.Tensor]:
@@ -337,5 +421,9 @@ def attach_step_kernels(text: nn.Module) -> None:
             module.norm_kernel = NormKernel(module, kernels)
         elif hasattr(module, "step_kernel") and hasattr(module, "experts"):  # a MoE block
             module.step_kernel = MoeStepKernel.of(module, kernels) if bf16 else None
-        elif hasattr(module, "step_kernel") and plain_cpu(*(p.data for p in module.parameters())):
+        elif hasattr(module, "step_kernel") and hasattr(module, "conv1d") \
+                and plain_cpu(*(p.data for p in module.parameters())):  # a Gated DeltaNet
             module.step_kernel = DeltaNetKernel(module, kernels)
+    for module in text.modules():  # a DeltaNet decoder layer, once its parts have their kernels
+        if hasattr(module, "linear_attn") and bf16:
+            module.step_kernel = DeltaNetLayerKernel.of(module, kernels)
