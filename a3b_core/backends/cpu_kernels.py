@@ -754,9 +754,8 @@ def deltanet_layer_step(in_norm, post_norm, norm_eps, code, qkv_q, qkv_scale, z_
     bf16 rows of x_bits (int16 [T, H]) into out (int16 [T, H], bf16): the input norm (in_norm, its scale with the
     offset added), the input projections (qkv and z in `code`'s format, b and a bf16 with no_scale), the DeltaNet step
     (gated_delta_step on history and state, updated; its gated norm's weight gate_norm and eps norm_eps), the output
-    projection (`code`'s format), the residual, the post-attention norm, the MoE block (moe_step's arguments) and the
-    residual. Each intermediate is rounded to bf16 where the layer's path with the separate kernels rounds it, so the
-    step returns what that path returns."""
+    projection (`code`'s format), then residual_moe. Each intermediate is rounded to bf16 where the layer's path with
+    the separate kernels rounds it, so the step returns what that path returns."""
     x = bf16_rows(x_bits)
     h = x.copy()
     rms_norm_rows(h, in_norm, norm_eps)
@@ -768,7 +767,120 @@ def deltanet_layer_step(in_norm, post_norm, norm_eps, code, qkv_q, qkv_scale, z_
     mixed = np.empty(z.shape, np.float32)
     gated_delta_step(qkv, z, beta, a, conv_w, history, a_log, dt_bias, gate_norm, norm_eps, key_heads, state, mixed)
     round_bf16(mixed.reshape(-1))
-    x += bf16_product(code, out_q, out_scale, mixed)
+    residual_moe(x, bf16_product(code, out_q, out_scale, mixed), post_norm, norm_eps, router_q, mix_q, no_scale,
+                 shared_code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale, routed_code, inter, gu_q,
+                 gu_scale, dn_q, dn_scale, top_k, out)
+
+
+@njit(cache=True)
+def attention_layer_step(in_norm, post_norm, norm_eps, code, q_q, q_scale, k_q, k_scale, v_q, v_scale, o_q, o_scale,
+                         q_norm, k_norm, heads, router_q, mix_q, no_scale, shared_code, gate_q, gate_scale, up_q,
+                         up_scale, down_q, down_scale, routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, cos,
+                         sin, keys, values, start, x_bits, out):
+    """A Qwen3.5 gated full-attention decoder layer's decoding step (DecoderLayer.forward with models/layers.py's
+    Attention, output_gate) for the bf16 rows of x_bits (int16 [T, H]) into out (int16 [T, H], bf16): the input norm,
+    the q (each head's queries, then its gate channels), k and v projections (`code`'s format), the per-head norms
+    (q_norm, k_norm: scales with the offset added), the rotary embedding of the first cos.shape[1] channels (cos, sin
+    [T, rotary_dim] fp32), the new key and value stored at token `start` of keys and values (bf16 bit patterns
+    [T, kv_heads, max_len, head_dim]), attention over the tokens up to it, the sigmoid gate, the output projection,
+    then residual_moe. Intermediates are rounded to bf16 where the layer's path rounds them; attention sums in fp32 in
+    its own order (torch's attention too rounds only its output)."""
+    x = bf16_rows(x_bits)
+    tokens = x.shape[0]
+    kv_heads, head_dim = keys.shape[1], keys.shape[3]
+    group = heads // kv_heads
+    h = x.copy()
+    rms_norm_rows(h, in_norm, norm_eps)
+    round_bf16(h.reshape(-1))
+    q_gate = bf16_product(code, q_q, q_scale, h)  # [T, heads * 2 * head_dim]
+    q = np.empty((tokens * heads, head_dim), np.float32)
+    gate = np.empty((tokens, heads * head_dim), np.float32)
+    for t in range(tokens):
+        for i in range(heads):
+            q[t * heads + i] = q_gate[t, 2 * i * head_dim:(2 * i + 1) * head_dim]
+            gate[t, i * head_dim:(i + 1) * head_dim] = q_gate[t, (2 * i + 1) * head_dim:(2 * i + 2) * head_dim]
+    k = bf16_product(code, k_q, k_scale, h).reshape(tokens * kv_heads, head_dim)
+    v = bf16_product(code, v_q, v_scale, h)
+    for rows, scale, per_token in ((q, q_norm, heads), (k, k_norm, kv_heads)):
+        rms_norm_rows(rows, scale, norm_eps)
+        round_bf16(rows.reshape(-1))
+        rotate_half(rows, cos, sin, per_token)
+        round_bf16(rows.reshape(-1))
+    for t in range(tokens):
+        keys[t, :, start] = bf16_half_bits(k[t * kv_heads:(t + 1) * kv_heads])
+        values[t, :, start] = bf16_half_bits(v[t].reshape(kv_heads, head_dim))
+    mixed = np.empty((tokens, heads * head_dim), np.float32)
+    attend_cached(q, keys, values, start + 1, group, mixed)
+    round_bf16(mixed.reshape(-1))
+    for t in range(tokens):  # the gate: sigmoid rounded, the product rounded
+        for c in range(heads * head_dim):
+            gate[t, c] = np.float32(1.0) / (np.float32(1.0) + np.exp(-gate[t, c]))
+    round_bf16(gate.reshape(-1))
+    mixed *= gate
+    round_bf16(mixed.reshape(-1))
+    residual_moe(x, bf16_product(code, o_q, o_scale, mixed), post_norm, norm_eps, router_q, mix_q, no_scale,
+                 shared_code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale, routed_code, inter, gu_q,
+                 gu_scale, dn_q, dn_scale, top_k, out)
+
+
+@njit(cache=True)
+def rotate_half(rows, cos, sin, per_token):
+    """The rotary embedding (models/layers.py, apply_rotary) of rows [T * per_token, D] in place, in fp32: row r is
+    token r // per_token's; the first rotary_dim channels rotated in halves, the rest untouched."""
+    half = cos.shape[1] // 2
+    for r in range(rows.shape[0]):
+        c, s, row = cos[r // per_token], sin[r // per_token], rows[r]
+        for j in range(half):
+            x1, x2 = row[j], row[j + half]
+            row[j] = x1 * c[j] + -x2 * s[j]
+            row[j + half] = x2 * c[j + half] + x1 * s[j + half]
+
+
+@njit(cache=True)
+def bf16_half_bits(values):
+    """fp32 values holding bf16 values (any shape) as their bf16 bit patterns (int16, the same shape)."""
+    bits = np.empty(values.shape, np.int16)
+    bf16_bits(values.reshape(1, -1), bits.reshape(1, -1))
+    return bits
+
+
+@njit(cache=True, fastmath=FAST, parallel=True)
+def attend_cached(q, keys, values, length, group, out):
+    """Softmax attention of each query row of q [T * heads, D] over the first `length` cached keys and values (bf16
+    bit patterns [T, kv_heads, max_len, D]) of its KV head (query head i reads KV head i // group), scaled by
+    D^-1/2, in fp32, into out [T, heads * D]."""
+    head_dim = q.shape[1]
+    heads = q.shape[0] // keys.shape[0]
+    scale = np.float32(1.0) / np.sqrt(np.float32(head_dim))
+    for r in prange(q.shape[0]):
+        t, i = r // heads, r % heads
+        key_rows, value_rows = keys[t, i // group], values[t, i // group]
+        scores = np.empty(length, np.float32)
+        top = np.float32(-np.inf)
+        for j in range(length):
+            dot = np.float32(0.0)
+            for d in range(head_dim):
+                dot += q[r, d] * bf16_value(key_rows[j, d])
+            scores[j] = dot * scale
+            top = max(top, scores[j])
+        total = np.float32(0.0)
+        o = np.zeros(head_dim, np.float32)
+        for j in range(length):
+            p = np.exp(scores[j] - top)
+            total += p
+            for d in range(head_dim):
+                o[d] += p * bf16_value(value_rows[j, d])
+        for d in range(head_dim):
+            out[t, i * head_dim + d] = o[d] / total
+
+
+@njit(cache=True)
+def residual_moe(x, mixed, post_norm, norm_eps, router_q, mix_q, no_scale, shared_code, gate_q, gate_scale, up_q,
+                 up_scale, down_q, down_scale, routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, out):
+    """The second half of a Qwen3.5 MoE decoder layer's decoding step: the residual x + mixed (x, mixed: fp32 [T, H]
+    holding bf16 values; x is overwritten), the post-attention norm, the MoE block (moe_step's arguments) and the
+    residual, rounded to bf16 into out (int16 [T, H])."""
+    x += mixed
     round_bf16(x.reshape(-1))
     h = x.copy()
     rms_norm_rows(h, post_norm, norm_eps)

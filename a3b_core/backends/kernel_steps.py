@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..models.kv_cache import KVCache
 from .dense import QuantizedLinear
 from .experts import CpuFloatExperts, QuantizedExperts
 from .kernel_experts import FORMAT_CODES, KERNEL_FORMATS, LOCK, KernelExperts, compiled_kernels, \
@@ -180,79 +181,157 @@ class MoeStepKernel:
         return bf16_tensor(out, x.shape)
 
 
-class DeltaNetLayerKernel:
-    """A Qwen3.5 Gated DeltaNet decoder layer's decoding step in one numba call (cpu_kernels.deltanet_layer_step), for
-    the layer that calls it: its two norms, input projections, DeltaNet step, output projection, MoE block and
-    residuals, from the arrays of its parts' kernels (the matrices read where they are held). Eight kernel calls and
-    about 20 torch calls become one. It returns what the layer's path with the separate kernels returns, except that
-    projections torch computes there (bf16 matrices below BF16_KERNEL_MIN_ROWS rows, such as the b and a projections)
-    are summed as the dense kernel sums them: a result may differ by one bf16 rounding."""
+class LayerStepKernel:
+    """A Qwen3.5 MoE decoder layer's decoding step in one numba call, for the layer that calls it, from the arrays of
+    its parts' kernels (the matrices read where they are held): its two norms, its token mixer (DeltaNetLayerKernel,
+    AttentionLayerKernel), the MoE block and the residuals. About ten kernel calls and 20-40 torch calls become one.
+    It returns what the layer's path with the separate kernels returns, except that products torch computes there
+    (bf16 matrices below BF16_KERNEL_MIN_ROWS rows, and attention) are summed in the kernels' order: a result may
+    differ by one bf16 rounding."""
+
+    def __init__(self, layer: int, arrays: tuple, kernels: ModuleType):
+        self.layer, self.arrays, self.kernels = layer, arrays, kernels
+
+    @staticmethod
+    def shared_arrays(layer: nn.Module) -> tuple | None:
+        """The arrays every layer step reads first (the two norms' scales and eps) and last (the MoE step's), or
+        None where a part has no kernel; the mixer's norms must share the eps."""
+        norms = (layer.input_layernorm.norm_kernel, layer.post_attention_layernorm.norm_kernel)
+        moe = getattr(layer.mlp, "step_kernel", None)
+        if not (all(isinstance(n, NormKernel) for n in norms) and isinstance(moe, MoeStepKernel)
+                and norms[0].eps == norms[1].eps):
+            return None
+        return (norms[0].scale, norms[1].scale, norms[0].eps), moe.arrays
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+        """The layer's output for decoding rows x [B, 1, H] (bf16), the cache updated."""
+        rows, out = bf16_arrays(x)
+        with LOCK:
+            set_threads(self.kernels)
+            self.run(rows, cos, sin, cache, out.numpy())
+        return bf16_tensor(out, x.shape)
+
+
+class DeltaNetLayerKernel(LayerStepKernel):
+    """A Gated DeltaNet layer's step (cpu_kernels.deltanet_layer_step); its conv history and state are updated."""
 
     def __init__(self, layer: int, delta: DeltaNetKernel, arrays: tuple, kernels: ModuleType):
-        self.layer, self.delta, self.arrays, self.kernels = layer, delta, arrays, kernels
+        super().__init__(layer, arrays, kernels)
+        self.delta = delta
 
     @classmethod
     def of(cls, layer: nn.Module, kernels: ModuleType) -> DeltaNetLayerKernel | None:
         """The kernel of a DeltaNet decoder layer whose norms, DeltaNet step and MoE block have their kernels and
         whose projections the kernels read (qkv, z and the output projection in one format, b and a bf16), once it
         reproduces the layer's path; else None."""
-        mixer = layer.linear_attn
-        norms = (layer.input_layernorm.norm_kernel, layer.post_attention_layernorm.norm_kernel)
-        delta, moe = mixer.step_kernel, getattr(layer.mlp, "step_kernel", None)
-        if not (all(isinstance(n, NormKernel) for n in norms) and isinstance(delta, DeltaNetKernel)
-                and isinstance(moe, MoeStepKernel) and norms[0].eps == norms[1].eps == delta.eps):
+        mixer, shared = layer.linear_attn, cls.shared_arrays(layer)
+        delta = mixer.step_kernel
+        if shared is None or not isinstance(delta, DeltaNetKernel) or delta.eps != shared[0][2]:
             return None
         qkv, z, b, a, out = (dense_kernel(m, kernels) for m in (*input_matrices(mixer), mixer.out_proj))
         if any(p is None for p in (qkv, z, b, a, out)) or not qkv.fmt == z.fmt == out.fmt \
                 or not b.fmt == a.fmt == "bf16":
             return None
-        arrays = (norms[0].scale, norms[1].scale, delta.eps, qkv.code, *qkv.arrays, *z.arrays, b.arrays[0],
-                  a.arrays[0], *out.arrays, delta.conv_w, delta.a_log, delta.dt_bias, delta.norm_w, delta.key_heads,
-                  *moe.arrays)
+        arrays = (*shared[0], qkv.code, *qkv.arrays, *z.arrays, b.arrays[0], a.arrays[0], *out.arrays, delta.conv_w,
+                  delta.a_log, delta.dt_bias, delta.norm_w, delta.key_heads, *shared[1])
         kernel = cls(mixer.layer, delta, arrays, kernels)
         return kernel if checked_layer_step(kernel, layer) else None
 
-    def takes(self, x: torch.Tensor, cache) -> bool:
+    def takes(self, x: torch.Tensor, cache, key_mask: torch.Tensor | None) -> bool:
         """Whether the kernel computes this step: a decoding step's (one token per sequence) plain bf16 CPU rows,
         with a cache whose DeltaNet tensors the kernel updates in place."""
         return x.dtype == torch.bfloat16 and x.shape[1] == 1 and plain_cpu(x) and cache is not None \
             and self.delta.takes(cache.conv_state(self.layer), cache.recurrent_state(self.layer))
 
-    def __call__(self, x: torch.Tensor, cache) -> torch.Tensor:
-        """The layer's output for decoding rows x [B, 1, H] (bf16); the cache's conv history and state updated."""
-        rows, out = bf16_arrays(x)
+    def run(self, rows: np.ndarray, cos: torch.Tensor, sin: torch.Tensor, cache, out: np.ndarray) -> None:
         history, state = cache.conv_state(self.layer).numpy(), cache.recurrent_state(self.layer).numpy()
-        with LOCK:
-            set_threads(self.kernels)
-            self.kernels.deltanet_layer_step(*self.arrays, history, state, rows, out.numpy())
-        return bf16_tensor(out, x.shape)
+        self.kernels.deltanet_layer_step(*self.arrays, history, state, rows, out)
 
 
-def checked_layer_step(kernel: DeltaNetLayerKernel, layer: nn.Module) -> bool:
-    """Whether the layer kernel compiles and reproduces two decoding rows of its layer's own path (from a random conv
-    history and state), within bf16's roundings: the compile happens at load, not in the middle of a generation.
+class AttentionLayerKernel(LayerStepKernel):
+    """A gated full-attention layer's step (cpu_kernels.attention_layer_step) with a cache that stores its keys and
+    values in bf16 and has no padding; the new key and value are stored in the cache."""
+
+    @classmethod
+    def of(cls, layer: nn.Module, kernels: ModuleType) -> AttentionLayerKernel | None:
+        """The kernel of a full-attention decoder layer with the output gate whose norms and MoE block have their
+        kernels and whose projections the kernels read (q, k, v and o in one format), once it reproduces the
+        layer's path; else None."""
+        attn, shared = layer.self_attn, cls.shared_arrays(layer)
+        head_norms = (attn.q_norm.norm_kernel, attn.k_norm.norm_kernel)
+        if shared is None or not attn.output_gate or not all(
+                isinstance(n, NormKernel) and n.eps == shared[0][2] for n in head_norms):
+            return None
+        q, k, v, o = (dense_kernel(m, kernels) for m in (*input_matrices(attn), attn.o_proj))
+        if any(p is None for p in (q, k, v, o)) or not q.fmt == k.fmt == v.fmt == o.fmt:
+            return None
+        arrays = (*shared[0], q.code, *q.arrays, *k.arrays, *v.arrays, *o.arrays, head_norms[0].scale,
+                  head_norms[1].scale, attn.cfg.num_heads, *shared[1])
+        kernel = cls(attn.layer, arrays, kernels)
+        return kernel if checked_layer_step(kernel, layer) else None
+
+    def takes(self, x: torch.Tensor, cache, key_mask: torch.Tensor | None) -> bool:
+        """Whether the kernel computes this step: a decoding step's plain bf16 CPU rows, with no padding, and a cache
+        holding this layer's keys and values as plain contiguous bf16 tensors, one row per input row."""
+        if not (x.dtype == torch.bfloat16 and x.shape[1] == 1 and plain_cpu(x) and cache is not None
+                and key_mask is None and not cache.scratch):
+            return False
+        keys, values = cache.keys[self.layer], cache.values[self.layer]
+        return all(plain_cpu(t) and t.is_contiguous() and t.dtype == torch.bfloat16 and t.shape[0] == x.shape[0]
+                   for t in (keys, values))
+
+    def run(self, rows: np.ndarray, cos: torch.Tensor, sin: torch.Tensor, cache, out: np.ndarray) -> None:
+        cos, sin = (t[:, 0].float().contiguous().numpy() for t in (cos, sin))
+        keys, values = (t[self.layer].view(torch.int16).numpy() for t in (cache.keys, cache.values))
+        self.kernels.attention_layer_step(*self.arrays, cos, sin, keys, values, cache.length, rows, out)
+
+
+CHECK_CACHED = 5  # tokens in the cache a layer step is checked with
+
+
+def checked_layer_step(kernel: LayerStepKernel, layer: nn.Module) -> bool:
+    """Whether the layer kernel compiles and reproduces two decoding rows of its layer's own path from the same
+    random cache (a DeltaNet layer's conv history and state; an attention layer's CHECK_CACHED keys and values), and
+    leaves the same cache, within bf16's roundings: the compile happens at load, not in the middle of a generation.
     False with a warning if not."""
-    mixer = layer.linear_attn
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(2, 1, layer.input_layernorm.weight.shape[0], generator=g).bfloat16()
-    history = torch.randn(2, mixer.conv1d.weight.shape[-1] - 1, mixer.conv_dim, generator=g)
-    state = torch.randn(2, mixer.nv, mixer.dk, mixer.dv, generator=g) * 0.1
-    caches = [SimpleNamespace(conv_state=lambda _, h=history.clone(): h, recurrent_state=lambda _, s=state.clone(): s)
-              for _ in range(2)]
+    x = torch.randn(2, 1, layer.input_layernorm.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    x = x.bfloat16()
+    rotary = layer.self_attn.cfg.rotary_dim if hasattr(layer, "self_attn") else 2
+    angles = torch.rand(2, 1, rotary, generator=torch.Generator().manual_seed(1)) * 6.3
     try:
-        got = kernel(x, caches[0]).float()
+        (got_state, got_cache), (want_state, want_cache) = (check_cache(layer, 2) for _ in range(2))
+        got = kernel(x, angles.cos(), angles.sin(), got_cache)
         with torch.no_grad():
-            want = layer(x, None, None, caches[1], None, None).float()
-        pairs = [(got, want), *((getter(0), other(0)) for getter, other in
-                                ((caches[0].conv_state, caches[1].conv_state),
-                                 (caches[0].recurrent_state, caches[1].recurrent_state)))]
-        if not all(torch.allclose(a, b, rtol=0.03, atol=0.03 * b.abs().max().item()) for a, b in pairs):
+            want = layer(x, angles.cos(), angles.sin(), want_cache, None, None)
+        pairs = [(got, want), *zip(got_state, want_state)]
+        if not all(torch.allclose(a.float(), b.float(), rtol=0.03, atol=0.03 * b.float().abs().max().item())
+                   for a, b in pairs):
             raise ValueError("the layer step differs from the layer's")
     except Exception as exc:  # numba's compile errors have many types; any failure means the separate kernels
         warnings.warn(f"a3b_core: numba could not compile the CPU decoder layer step ({exc}); using separate kernel "
                       "calls.", stacklevel=2)
         return False
     return True
+
+
+def check_cache(layer: nn.Module, rows: int) -> tuple[list[torch.Tensor], KVCache]:
+    """A cache for checking a decoder layer's step, the same at each call, and the tensors the step changes in it:
+    a DeltaNet layer's random conv history and state (as Qwen3.5's cache holds them), or a KV cache of the attention
+    layer with CHECK_CACHED random bf16 tokens before the step's."""
+    g = torch.Generator().manual_seed(2)
+    if hasattr(layer, "linear_attn"):
+        mixer = layer.linear_attn
+        history = torch.randn(rows, mixer.conv1d.weight.shape[-1] - 1, mixer.conv_dim, generator=g)
+        state = torch.randn(rows, mixer.nv, mixer.dk, mixer.dv, generator=g) * 0.1
+        return [history, state], SimpleNamespace(conv_state=lambda _: history, recurrent_state=lambda _: state)
+    cfg, index = layer.self_attn.cfg, layer.self_attn.layer
+    cache = KVCache([index], cfg.num_kv_heads, cfg.head_dim, rows, CHECK_CACHED + 1, torch.bfloat16)
+    for buffers in (cache.keys, cache.values):
+        buffers[index][:, :, :CHECK_CACHED] = torch.randn(buffers[index][:, :, :CHECK_CACHED].shape, generator=g)
+    cache.extend_mask(None, CHECK_CACHED)
+    cache.advance(CHECK_CACHED)
+    cache.extend_mask(None, 1)  # the step's token, as the model records it before its layers
+    return [cache.keys[index], cache.values[index]], cache
 
 
 def input_matrices(module: nn.Module) -> list[nn.Module | torch.Tensor]:
@@ -424,6 +503,7 @@ def attach_step_kernels(text: nn.Module) -> None:
         elif hasattr(module, "step_kernel") and hasattr(module, "conv1d") \
                 and plain_cpu(*(p.data for p in module.parameters())):  # a Gated DeltaNet
             module.step_kernel = DeltaNetKernel(module, kernels)
-    for module in text.modules():  # a DeltaNet decoder layer, once its parts have their kernels
-        if hasattr(module, "linear_attn") and bf16:
-            module.step_kernel = DeltaNetLayerKernel.of(module, kernels)
+    for module in text.modules():  # a Qwen3.5 decoder layer, once its parts have their kernels
+        if hasattr(module, "step_kernel") and hasattr(module, "mlp") and bf16:
+            kind = DeltaNetLayerKernel if hasattr(module, "linear_attn") else AttentionLayerKernel
+            module.step_kernel = kind.of(module, kernels)

@@ -191,13 +191,13 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoE(cfg) if cfg.is_moe else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, NORM_OFFSET)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, NORM_OFFSET)
-        # loading may attach a kernel that computes a DeltaNet layer's decoding step in one call
-        # (backends/kernel_steps.py, DeltaNetLayerKernel)
+        # loading may attach a kernel that computes the layer's decoding step in one call
+        # (backends/kernel_steps.py, LayerStepKernel)
         self.step_kernel = None
 
     def forward(self, x, cos, sin, cache, token_mask, key_mask):
-        if self.step_kernel is not None and token_mask is None and self.step_kernel.takes(x, cache):
-            return self.step_kernel(x, cache)
+        if self.step_kernel is not None and token_mask is None and self.step_kernel.takes(x, cache, key_mask):
+            return self.step_kernel(x, cos, sin, cache)
         h = self.input_layernorm(x)
         if self.is_full_attention:
             h = self.self_attn(h, cos, sin, cache, key_mask)
