@@ -4,9 +4,12 @@ of them, then with one group detached at a time, then with none, in interleaved 
     python bench/decode_kernels.py                           # bf16 compute, int8 experts, dense int8
     python bench/decode_kernels.py --experts bf16 --dense-format auto
 
-Groups: "int8 dense" (QuantizedLinear products), "bf16 dense" (large bf16 CpuLinear / FusedLinear products),
-"deltanet" (the Gated DeltaNet step), "moe step" (a MoE block's whole step), "norms" (RMSNorms of bf16 rows). The routed experts' kernel stays in every variant (bench/expert_step.py measures
-it). One process and one model for every variant, so only the detached kernels differ between them.
+Groups: "layer step" (a decoder layer's whole step in one call), "int8 dense" (QuantizedLinear products), "bf16
+dense" (large bf16 CpuLinear / FusedLinear products), "deltanet" (the Gated DeltaNet step), "moe step" (a MoE block's
+whole step), "norms" (RMSNorms of bf16 rows). A layer step is made of the other groups' kernels, so every variant but
+"all" detaches it: "without layer step" is the layers' path with the separate kernels, "without norms" that path
+without the norms' kernels. The routed experts' kernel stays in every variant (bench/expert_step.py measures it). One
+process and one model for every variant, so only the detached kernels differ between them.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from a3b_core import load_model  # noqa: E402
 from a3b_core.backends.kernel_experts import FORMAT_CODES  # noqa: E402
 from bench.bench_model import bench_dir, bench_model_dir  # noqa: E402
 
-GROUPS = ("int8 dense", "bf16 dense", "deltanet", "moe step", "norms")
+GROUPS = ("layer step", "int8 dense", "bf16 dense", "deltanet", "moe step", "norms")
 
 
 def kernel_group(module: torch.nn.Module) -> tuple[str, str] | None:
@@ -34,7 +37,8 @@ def kernel_group(module: torch.nn.Module) -> tuple[str, str] | None:
     if getattr(module, "norm_kernel", None) is not None:
         return "norms", "norm_kernel"
     if getattr(module, "step_kernel", None) is not None:
-        return ("moe step" if hasattr(module, "experts") else "deltanet"), "step_kernel"
+        kind = "layer step" if hasattr(module, "mlp") else "moe step" if hasattr(module, "experts") else "deltanet"
+        return kind, "step_kernel"
     kernel = getattr(module, "rows_kernel", None)
     if kernel is not None:
         return ("bf16 dense" if kernel.code == FORMAT_CODES["bf16"] else "int8 dense"), "rows_kernel"
@@ -84,7 +88,7 @@ def main() -> None:
 
     def detach(variant: str) -> None:
         for module, group, attribute, kernel in attached:
-            off = variant == "none" or variant == f"without {group}"
+            off = variant in ("none", f"without {group}") or (group == "layer step" and variant != "all")
             setattr(module, attribute, None if off else kernel)
 
     def prepare(variant: str) -> None:

@@ -214,6 +214,22 @@ def test_layer_steps_equal_the_layers_kernel_path(fixtures, which, weight_format
             assert torch.allclose(t.float(), getattr(caches[1], name)[layer].float(), rtol=1e-5, atol=1e-6)
 
 
+def test_attention_over_many_key_blocks_equals_softmax_attention(one_thread):
+    """The layer step's attention (cpu_kernels.attend_cached) over cached tokens in several KEY_BLOCKs, the last one
+    partial, with query heads sharing KV heads: each block's softmax sums combined equal one softmax over all."""
+    g = torch.Generator().manual_seed(0)
+    tokens, kv_heads, group, dim, length = 2, 2, 3, 64, 2 * compiled_kernels().KEY_BLOCK + 88
+    keys, values = (torch.randn(tokens, kv_heads, length + 5, dim, generator=g).bfloat16() for _ in range(2))
+    q = torch.randn(tokens * kv_heads * group, dim, generator=g) * 2
+    out = torch.empty(tokens, kv_heads * group * dim)
+    compiled_kernels().attend_cached(q.numpy(), keys.view(torch.int16).numpy(), values.view(torch.int16).numpy(),
+                                     length, group, out.numpy())
+    k, v = (t[:, :, :length].double().repeat_interleave(group, dim=1) for t in (keys, values))  # [T, heads, L, D]
+    scores = q.double().view(tokens, kv_heads * group, 1, dim) @ k.transpose(-1, -2) * dim ** -0.5
+    want = (torch.softmax(scores, dim=-1) @ v).view(tokens, -1)
+    assert relative_error(out, want) < EXACT_BOUND
+
+
 def attached(model) -> Counter:
     """How many of each kernel a model's text model has attached (rows_kernel, step_kernel, norm_kernel)."""
     return Counter(type(kernel).__name__ for module in model.text.modules()

@@ -1,7 +1,7 @@
 """The numba kernels of kernel_experts.py and kernel_steps.py: one layer's routed-expert step for a few rows in one
 compiled call, a dense matrix's product with a few rows, a quantised matrix dequantised (for products of many rows),
 a Gated DeltaNet layer's decoding step, a Qwen3.5 MoE block's decoding step, RMSNorms of bf16 rows, and a
-Qwen3.5 DeltaNet decoder layer's whole decoding step made of these.
+Qwen3.5 MoE decoder layer's whole decoding step (Gated DeltaNet or gated full attention) made of these.
 
 Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row in
 loops over its contiguous bytes: int4, and int8 rows whose inputs come in groups of CODE_GROUP, multiply their weights
@@ -48,6 +48,7 @@ FAST = {"reassoc", "contract"}  # sums may be reordered (vectorised); no assumpt
 FAST_FLAGS = tuple(sorted(FAST))  # the same, for LLVM instructions written by hand (pmadd_codegen)
 PREFETCH_BYTES = 4096  # how far ahead of the row being read row_dot asks for the next rows' cache lines
 CODE_GROUP = 128  # int8 rows' activations are coded per this many inputs (row_extras): pmadd_codegen's group
+KEY_BLOCK = 256  # cached tokens per parallel work item of attend_cached
 
 
 def pmadd_lanes() -> int:
@@ -846,32 +847,66 @@ def bf16_half_bits(values):
 
 @njit(cache=True, fastmath=FAST, parallel=True)
 def attend_cached(q, keys, values, length, group, out):
-    """Softmax attention of each query row of q [T * heads, D] over the first `length` cached keys and values (bf16
-    bit patterns [T, kv_heads, max_len, D]) of its KV head (query head i reads KV head i // group), scaled by
-    D^-1/2, in fp32, into out [T, heads * D]."""
-    head_dim = q.shape[1]
-    heads = q.shape[0] // keys.shape[0]
+    """Softmax attention of each query row of q [T * heads, D] (token t's heads in order) over the first `length`
+    cached keys and values (bf16 bit patterns [T, kv_heads, max_len, D]) of its KV head (query head i reads KV head
+    i // group), scaled by D^-1/2, in fp32, into out [T, heads * D]. A work item is a block of KEY_BLOCK cached
+    tokens of one KV head, each key and value row read once for the head's `group` query heads; the blocks' partial
+    softmax sums are then combined (each scaled by e^(its largest score - the overall largest))."""
+    tokens, kv_heads, _, head_dim = keys.shape
+    heads = kv_heads * group
+    blocks = (length + KEY_BLOCK - 1) // KEY_BLOCK
     scale = np.float32(1.0) / np.sqrt(np.float32(head_dim))
-    for r in prange(q.shape[0]):
-        t, i = r // heads, r % heads
-        key_rows, value_rows = keys[t, i // group], values[t, i // group]
-        scores = np.empty(length, np.float32)
-        top = np.float32(-np.inf)
-        for j in range(length):
-            dot = np.float32(0.0)
+    tops = np.empty((tokens, heads, blocks), np.float32)
+    totals = np.empty((tokens, heads, blocks), np.float32)
+    parts = np.zeros((tokens, heads, blocks, head_dim), np.float32)
+    for item in prange(tokens * kv_heads * blocks):
+        t, kv, b = item // (kv_heads * blocks), (item // blocks) % kv_heads, item % blocks
+        first = b * KEY_BLOCK
+        n = min(length, first + KEY_BLOCK) - first
+        row = np.empty(head_dim, np.float32)
+        scores = np.empty((group, n), np.float32)
+        for j in range(n):
+            src = keys[t, kv, first + j]
             for d in range(head_dim):
-                dot += q[r, d] * bf16_value(key_rows[j, d])
-            scores[j] = dot * scale
-            top = max(top, scores[j])
-        total = np.float32(0.0)
-        o = np.zeros(head_dim, np.float32)
-        for j in range(length):
-            p = np.exp(scores[j] - top)
-            total += p
+                row[d] = bf16_value(src[d])
+            for g in range(group):
+                query = q[t * heads + kv * group + g]
+                dot = np.float32(0.0)
+                for d in range(head_dim):
+                    dot += query[d] * row[d]
+                scores[g, j] = dot * scale
+        for g in range(group):
+            top = scores[g, 0]
+            for j in range(1, n):
+                top = max(top, scores[g, j])
+            total = np.float32(0.0)
+            for j in range(n):
+                scores[g, j] = np.exp(scores[g, j] - top)
+                total += scores[g, j]
+            tops[t, kv * group + g, b], totals[t, kv * group + g, b] = top, total
+        for j in range(n):
+            src = values[t, kv, first + j]
             for d in range(head_dim):
-                o[d] += p * bf16_value(value_rows[j, d])
-        for d in range(head_dim):
-            out[t, i * head_dim + d] = o[d] / total
+                row[d] = bf16_value(src[d])
+            for g in range(group):
+                p, part = scores[g, j], parts[t, kv * group + g, b]
+                for d in range(head_dim):
+                    part[d] += p * row[d]
+    for t in range(tokens):
+        for i in range(heads):
+            top = tops[t, i, 0]
+            for b in range(1, blocks):
+                top = max(top, tops[t, i, b])
+            total = np.float32(0.0)
+            o = out[t, i * head_dim:(i + 1) * head_dim]
+            o[:] = 0.0
+            for b in range(blocks):
+                weight = np.exp(tops[t, i, b] - top)
+                total += weight * totals[t, i, b]
+                for d in range(head_dim):
+                    o[d] += weight * parts[t, i, b, d]
+            for d in range(head_dim):
+                o[d] /= total
 
 
 @njit(cache=True)
