@@ -1,7 +1,7 @@
 """Decoding work other than the routed experts computed by the numba kernels (cpu_kernels.py), attached at load to
 the modules that call them: a dense matrix's product with a few rows (a quantised matrix's products of more rows take
 its kernel-dequantised weights), a Gated DeltaNet layer's token step, a Qwen3.5 MoE block's whole token step,
-RMSNorms of a decoding step's bf16 rows, and a Qwen3.5 DeltaNet decoder layer's whole token step.
+RMSNorms of a decoding step's bf16 rows, and a Qwen3.5 MoE decoder layer's whole token step.
 
 A decoding step of the text model is mostly small products and many small torch calls, each with a fixed cost
 (2-6 us on a 2-core Xeon, where torch's RMSNorm of one 1024-wide bf16 row took 2.5-2.7x the norm kernel's call:
@@ -18,11 +18,11 @@ A decoding step of the text model is mostly small products and many small torch 
   path rounds them, so that it returns what the block computes with the separate kernels.
 - RMSNorms of a decoding step's bf16 rows (inputs [B, 1, ...]): each result rounded to bf16, as torch's (its sum
   in another order: a result may differ by one bf16 rounding, so a prefill keeps torch's norm).
-- A Qwen3.5 DeltaNet decoder layer's whole step (its norms, projections, DeltaNet step, MoE block and residuals) in
-  one call of the kernels above: each call from Python costs more than small kernels' work (an RMSNorm's call took
-  18 us, of which the kernel 4.6), and a layer made about ten of them. int8 experts with dense int8 decoded at 26-28
-  against 20-24 tokens/s on the bench model, int4 with dense int4 at 32-38 against 22-31, bf16 at 16-17 against
-  14-15 (2 threads, alternating).
+- A Qwen3.5 MoE decoder layer's whole step (its norms, projections, DeltaNet step or attention over a bf16 KV cache,
+  MoE block and residuals) in one call of the kernels above: each call from Python costs more than small kernels'
+  work (an RMSNorm's call took 18 us, of which the kernel 4.6), and a layer made about ten of them. On the bench
+  model (2 threads, alternating), int8 experts with dense int8 decoded at 27-30 against 18-23 tokens/s, int4 with
+  dense int4 at 25-32 against 22-24, bf16 at 12-17 against 12-15.
 The products and the DeltaNet step compute in fp32 (the DeltaNet step is the fp32 computation itself; torch's bf16
 path rounds its intermediates to bf16), and a row's result does not depend on the other rows of a batch. bf16 rows
 pass to and from the kernels as their bit patterns (int16), with no torch conversion. The kernels are attached only
@@ -314,7 +314,7 @@ def checked_layer_step(kernel: LayerStepKernel, layer: nn.Module) -> bool:
     return True
 
 
-def check_cache(layer: nn.Module, rows: int) -> tuple[list[torch.Tensor], KVCache]:
+def check_cache(layer: nn.Module, rows: int) -> tuple[list[torch.Tensor], KVCache | SimpleNamespace]:
     """A cache for checking a decoder layer's step, the same at each call, and the tensors the step changes in it:
     a DeltaNet layer's random conv history and state (as Qwen3.5's cache holds them), or a KV cache of the attention
     layer with CHECK_CACHED random bf16 tokens before the step's."""
