@@ -304,3 +304,27 @@ def test_kernels_that_fail_their_check_leave_torchs_path(fixtures, monkeypatch):
         assert 1 <= len(model.generate(torch.tensor([1, 2]), max_new_tokens=3, temperature=0).token_ids) <= 3
     finally:
         kernel_steps.checked_step_kernels.cache_clear()
+
+
+def test_layer_steps_are_checked_once_per_kind_and_fall_back_when_the_check_fails(fixtures, monkeypatch):
+    """One layer of each kind is checked at load (its verdict serves the layers with the same compiled signature); a
+    layer step that fails its check leaves the layers' path with the separate kernels, with a warning."""
+    monkeypatch.delenv("A3B_NO_NUMBA", raising=False)
+    checked = []
+    reproduces = kernel_steps.layer_step_reproduces
+    monkeypatch.setattr(kernel_steps, "layer_step_reproduces",
+                        lambda kernel, layer: checked.append(type(kernel)) or reproduces(kernel, layer))
+    model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16")
+    assert sorted(k.__name__ for k in checked) == ["AttentionLayerKernel", "DeltaNetLayerKernel"]
+    assert all(layer.step_kernel is not None for layer in model.text.layers)
+
+    def broken(layer, rows):
+        raise ValueError("a compile error")
+
+    monkeypatch.setattr(kernel_steps, "check_cache", broken)
+    with pytest.warns(UserWarning, match="could not compile the CPU decoder layer step"):
+        model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16")
+    assert all(layer.step_kernel is None for layer in model.text.layers)
+    assert isinstance(model.text.layers[0].mlp.step_kernel, MoeStepKernel)  # the parts keep their kernels
+    assert 1 <= len(model.generate(torch.tensor([1, 2]), max_new_tokens=3, temperature=0).token_ids) <= 3
+

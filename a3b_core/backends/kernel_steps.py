@@ -220,10 +220,10 @@ class DeltaNetLayerKernel(LayerStepKernel):
         self.delta = delta
 
     @classmethod
-    def of(cls, layer: nn.Module, kernels: ModuleType) -> DeltaNetLayerKernel | None:
+    def of(cls, layer: nn.Module, kernels: ModuleType, verdicts: dict) -> DeltaNetLayerKernel | None:
         """The kernel of a DeltaNet decoder layer whose norms, DeltaNet step and MoE block have their kernels and
         whose projections the kernels read (qkv, z and the output projection in one format, b and a bf16), once it
-        reproduces the layer's path; else None."""
+        passes its check (checked_layer_step, `verdicts`); else None."""
         mixer, shared = layer.linear_attn, cls.shared_arrays(layer)
         delta = mixer.step_kernel
         if shared is None or not isinstance(delta, DeltaNetKernel) or delta.eps != shared[0][2]:
@@ -235,7 +235,7 @@ class DeltaNetLayerKernel(LayerStepKernel):
         arrays = (*shared[0], qkv.code, *qkv.arrays, *z.arrays, b.arrays[0], a.arrays[0], *out.arrays, delta.conv_w,
                   delta.a_log, delta.dt_bias, delta.norm_w, delta.key_heads, *shared[1])
         kernel = cls(mixer.layer, delta, arrays, kernels)
-        return kernel if checked_layer_step(kernel, layer) else None
+        return kernel if checked_layer_step(kernel, layer, verdicts) else None
 
     def takes(self, x: torch.Tensor, cache, key_mask: torch.Tensor | None) -> bool:
         """Whether the kernel computes this step: a decoding step's (one token per sequence) plain bf16 CPU rows,
@@ -253,10 +253,10 @@ class AttentionLayerKernel(LayerStepKernel):
     values in bf16 and has no padding; the new key and value are stored in the cache."""
 
     @classmethod
-    def of(cls, layer: nn.Module, kernels: ModuleType) -> AttentionLayerKernel | None:
+    def of(cls, layer: nn.Module, kernels: ModuleType, verdicts: dict) -> AttentionLayerKernel | None:
         """The kernel of a full-attention decoder layer with the output gate whose norms and MoE block have their
-        kernels and whose projections the kernels read (q, k, v and o in one format), once it reproduces the
-        layer's path; else None."""
+        kernels and whose projections the kernels read (q, k, v and o in one format), once it passes its check
+        (checked_layer_step, `verdicts`); else None."""
         attn, shared = layer.self_attn, cls.shared_arrays(layer)
         head_norms = (attn.q_norm.norm_kernel, attn.k_norm.norm_kernel)
         if shared is None or not attn.output_gate or not all(
@@ -268,7 +268,7 @@ class AttentionLayerKernel(LayerStepKernel):
         arrays = (*shared[0], q.code, *q.arrays, *k.arrays, *v.arrays, *o.arrays, head_norms[0].scale,
                   head_norms[1].scale, attn.cfg.num_heads, *shared[1])
         kernel = cls(attn.layer, arrays, kernels)
-        return kernel if checked_layer_step(kernel, layer) else None
+        return kernel if checked_layer_step(kernel, layer, verdicts) else None
 
     def takes(self, x: torch.Tensor, cache, key_mask: torch.Tensor | None) -> bool:
         """Whether the kernel computes this step: a decoding step's plain bf16 CPU rows, with no padding, and a cache
@@ -289,11 +289,21 @@ class AttentionLayerKernel(LayerStepKernel):
 CHECK_CACHED = 5  # tokens in the cache a layer step is checked with
 
 
-def checked_layer_step(kernel: LayerStepKernel, layer: nn.Module) -> bool:
+def checked_layer_step(kernel: LayerStepKernel, layer: nn.Module, verdicts: dict) -> bool:
     """Whether the layer kernel compiles and reproduces two decoding rows of its layer's own path from the same
     random cache (a DeltaNet layer's conv history and state; an attention layer's CHECK_CACHED keys and values), and
     leaves the same cache, within bf16's roundings: the compile happens at load, not in the middle of a generation.
-    False with a warning if not."""
+    False with a warning if not. One layer is checked per kind and compiled signature (the arrays' dtypes and
+    dimensions), its verdict kept in `verdicts` for the model's other layers: the check reads up to 16 experts' weights
+    of its layer, which on a large model may still be on disk."""
+    signature = (type(kernel), *((a.dtype, a.ndim) if isinstance(a, np.ndarray) else type(a) for a in kernel.arrays))
+    if signature not in verdicts:
+        verdicts[signature] = layer_step_reproduces(kernel, layer)
+    return verdicts[signature]
+
+
+def layer_step_reproduces(kernel: LayerStepKernel, layer: nn.Module) -> bool:
+    """checked_layer_step's check of one layer."""
     x = torch.randn(2, 1, layer.input_layernorm.weight.shape[0], generator=torch.Generator().manual_seed(0))
     x = x.bfloat16()
     rotary = layer.self_attn.cfg.rotary_dim if hasattr(layer, "self_attn") else 2
@@ -503,7 +513,8 @@ def attach_step_kernels(text: nn.Module) -> None:
         elif hasattr(module, "step_kernel") and hasattr(module, "conv1d") \
                 and plain_cpu(*(p.data for p in module.parameters())):  # a Gated DeltaNet
             module.step_kernel = DeltaNetKernel(module, kernels)
+    verdicts: dict = {}
     for module in text.modules():  # a Qwen3.5 decoder layer, once its parts have their kernels
         if hasattr(module, "step_kernel") and hasattr(module, "mlp") and bf16:
             kind = DeltaNetLayerKernel if hasattr(module, "linear_attn") else AttentionLayerKernel
-            module.step_kernel = kind.of(module, kernels)
+            module.step_kernel = kind.of(module, kernels, verdicts)
