@@ -1,6 +1,7 @@
 """The decoding kernels besides the routed experts (backends/kernel_steps.py, cpu_kernels.py): dense products of few
-rows and the Gated DeltaNet step equal the torch computations they replace; they are attached to bf16 models only,
-and whole models decode the same with them."""
+rows and the Gated DeltaNet step equal the torch computations they replace, MoE blocks' and decoder layers' one-call
+steps equal their paths with the separate kernels; they are attached to bf16 models only, and whole models decode the
+same with them."""
 from collections import Counter
 
 import pytest
