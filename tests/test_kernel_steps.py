@@ -213,6 +213,10 @@ def test_layer_steps_equal_the_layers_kernel_path(fixtures, which, weight_format
     for name in ("conv", "state", "keys", "values"):
         for layer, t in getattr(caches[0], name).items():
             assert torch.allclose(t.float(), getattr(caches[1], name)[layer].float(), rtol=1e-5, atol=1e-6)
+    attention = [layer.step_kernel for layer in model.text.layers if hasattr(layer, "self_attn")]
+    assert all(kernel.takes(x, caches[0], None) for kernel in attention)
+    monkeypatch.setattr(kernel_steps, "LAYER_ATTENTION_MAX", cached * attention[0].token_work)  # one token short
+    assert not any(kernel.takes(x, caches[0], None) for kernel in attention)
 
 
 def test_attention_over_many_key_blocks_equals_softmax_attention(one_thread):

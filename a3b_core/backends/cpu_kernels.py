@@ -850,31 +850,23 @@ def attend_cached(q, keys, values, length, group, out):
     """Softmax attention of each query row of q [T * heads, D] (token t's heads in order) over the first `length`
     cached keys and values (bf16 bit patterns [T, kv_heads, max_len, D]) of its KV head (query head i reads KV head
     i // group), scaled by D^-1/2, in fp32, into out [T, heads * D]. A work item is a block of KEY_BLOCK cached
-    tokens of one KV head, each key and value row read once for the head's `group` query heads; the blocks' partial
-    softmax sums are then combined (each scaled by e^(its largest score - the overall largest))."""
+    tokens of one KV head, its keys and values converted to fp32 once and read four rows at a time for all the
+    head's `group` query heads (key_scores, weighted_sum): the rows stay in the L1 cache while they are used; the
+    blocks' partial softmax sums are then combined (each scaled by e^(its largest score - the overall largest))."""
     tokens, kv_heads, _, head_dim = keys.shape
     heads = kv_heads * group
     blocks = (length + KEY_BLOCK - 1) // KEY_BLOCK
     scale = np.float32(1.0) / np.sqrt(np.float32(head_dim))
-    tops = np.empty((tokens, heads, blocks), np.float32)
-    totals = np.empty((tokens, heads, blocks), np.float32)
-    parts = np.zeros((tokens, heads, blocks, head_dim), np.float32)
+    tops = np.empty((tokens, blocks, heads), np.float32)
+    totals = np.empty((tokens, blocks, heads), np.float32)
+    parts = np.zeros((tokens, blocks, heads, head_dim), np.float32)
     for item in prange(tokens * kv_heads * blocks):
         t, kv, b = item // (kv_heads * blocks), (item // blocks) % kv_heads, item % blocks
         first = b * KEY_BLOCK
         n = min(length, first + KEY_BLOCK) - first
-        row = np.empty(head_dim, np.float32)
-        scores = np.empty((group, n), np.float32)
-        for j in range(n):
-            src = keys[t, kv, first + j]
-            for d in range(head_dim):
-                row[d] = bf16_value(src[d])
-            for g in range(group):
-                query = q[t * heads + kv * group + g]
-                dot = np.float32(0.0)
-                for d in range(head_dim):
-                    dot += query[d] * row[d]
-                scores[g, j] = dot * scale
+        heads_of_kv = slice(kv * group, (kv + 1) * group)
+        scores = key_scores(q[t * heads + kv * group:t * heads + (kv + 1) * group],
+                            bf16_tile(keys[t, kv], first, n), scale)
         for g in range(group):
             top = scores[g, 0]
             for j in range(1, n):
@@ -883,30 +875,81 @@ def attend_cached(q, keys, values, length, group, out):
             for j in range(n):
                 scores[g, j] = np.exp(scores[g, j] - top)
                 total += scores[g, j]
-            tops[t, kv * group + g, b], totals[t, kv * group + g, b] = top, total
-        for j in range(n):
-            src = values[t, kv, first + j]
-            for d in range(head_dim):
-                row[d] = bf16_value(src[d])
-            for g in range(group):
-                p, part = scores[g, j], parts[t, kv * group + g, b]
-                for d in range(head_dim):
-                    part[d] += p * row[d]
+            tops[t, b, kv * group + g], totals[t, b, kv * group + g] = top, total
+        weighted_sum(scores, bf16_tile(values[t, kv], first, n), parts[t, b, heads_of_kv])
     for t in range(tokens):
         for i in range(heads):
-            top = tops[t, i, 0]
+            top = tops[t, 0, i]
             for b in range(1, blocks):
-                top = max(top, tops[t, i, b])
+                top = max(top, tops[t, b, i])
             total = np.float32(0.0)
             o = out[t, i * head_dim:(i + 1) * head_dim]
             o[:] = 0.0
             for b in range(blocks):
-                weight = np.exp(tops[t, i, b] - top)
-                total += weight * totals[t, i, b]
+                weight = np.exp(tops[t, b, i] - top)
+                total += weight * totals[t, b, i]
                 for d in range(head_dim):
-                    o[d] += weight * parts[t, i, b, d]
+                    o[d] += weight * parts[t, b, i, d]
             for d in range(head_dim):
                 o[d] /= total
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def bf16_tile(rows, first, n):
+    """Rows first .. first + n of bf16 bit patterns [tokens, D] as fp32 [n, D]."""
+    tile = np.empty((n, rows.shape[1]), np.float32)
+    for j in range(n):
+        src, dst = rows[first + j], tile[j]
+        for d in range(rows.shape[1]):
+            dst[d] = bf16_value(src[d])
+    return tile
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def key_scores(queries, tile, scale):
+    """Each of queries [G, D] dotted with each row of tile [n, D], times scale, as [G, n]: four rows of the tile at
+    a time for every query, so that the rows are read from the L1 cache and four sums run side by side."""
+    n, head_dim = tile.shape
+    scores = np.empty((queries.shape[0], n), np.float32)
+    whole = n - n % 4
+    for j in range(0, whole, 4):
+        k0, k1, k2, k3 = tile[j], tile[j + 1], tile[j + 2], tile[j + 3]
+        for g in range(queries.shape[0]):
+            query = queries[g]
+            s0 = s1 = s2 = s3 = np.float32(0.0)
+            for d in range(head_dim):
+                x = query[d]
+                s0 += x * k0[d]
+                s1 += x * k1[d]
+                s2 += x * k2[d]
+                s3 += x * k3[d]
+            scores[g, j], scores[g, j + 1], scores[g, j + 2], scores[g, j + 3] = \
+                s0 * scale, s1 * scale, s2 * scale, s3 * scale
+    for j in range(whole, n):
+        for g in range(queries.shape[0]):
+            s = np.float32(0.0)
+            for d in range(head_dim):
+                s += queries[g, d] * tile[j, d]
+            scores[g, j] = s * scale
+    return scores
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def weighted_sum(weights, tile, out):
+    """out[g] += the rows of tile [n, D] weighted by weights[g] ([G, n]), for each g of out [G, D]: four rows of the
+    tile at a time for every g."""
+    n = tile.shape[0]
+    whole = n - n % 4
+    for j in range(0, whole, 4):
+        v0, v1, v2, v3 = tile[j], tile[j + 1], tile[j + 2], tile[j + 3]
+        for g in range(out.shape[0]):
+            w0, w1, w2, w3, row = weights[g, j], weights[g, j + 1], weights[g, j + 2], weights[g, j + 3], out[g]
+            for d in range(out.shape[1]):
+                row[d] += w0 * v0[d] + w1 * v1[d] + w2 * v2[d] + w3 * v3[d]
+    for j in range(whole, n):
+        for g in range(out.shape[0]):
+            for d in range(out.shape[1]):
+                out[g, d] += weights[g, j] * tile[j, d]
 
 
 @njit(cache=True)
