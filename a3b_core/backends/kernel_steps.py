@@ -21,8 +21,8 @@ A decoding step of the text model is mostly small products and many small torch 
 - A Qwen3.5 MoE decoder layer's whole step (its norms, projections, DeltaNet step or attention over a bf16 KV cache,
   MoE block and residuals) in one call of the kernels above: each call from Python costs more than small kernels'
   work (an RMSNorm's call took 18 us, of which the kernel 4.6), and a layer made about ten of them. On the bench
-  model (2 threads, alternating), int8 experts with dense int8 decoded at 27-30 against 18-23 tokens/s, int4 with
-  dense int4 at 25-32 against 22-24, bf16 at 12-17 against 12-15.
+  model (2 threads, alternating, two runs), int8 experts with dense int8 decoded at 25.6-29.7 against 18.1-23.7
+  tokens/s, int4 with dense int4 at 25.1-38.3 against 21.8-30.9, bf16 at 11.9-17.2 against 12.5-15.5.
 The products and the DeltaNet step compute in fp32 (the DeltaNet step is the fp32 computation itself; torch's bf16
 path rounds its intermediates to bf16), and a row's result does not depend on the other rows of a batch. bf16 rows
 pass to and from the kernels as their bit patterns (int16), with no torch conversion. The kernels are attached only
