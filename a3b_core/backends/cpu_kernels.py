@@ -632,6 +632,16 @@ def rms_norm_rows(rows, weight, eps):
 
 
 @njit(cache=True)
+def normed_bf16(rows, weight, eps):
+    """A copy of rows (fp32 [N, D]) RMSNormed times weight (rms_norm_rows) and rounded to bf16: what an RMSNorm of a
+    bf16 model returns."""
+    normed = rows.copy()
+    rms_norm_rows(normed, weight, eps)
+    round_bf16(normed.reshape(-1))
+    return normed
+
+
+@njit(cache=True)
 def rms_norm_bf16(x, weight, eps, out):
     """RMSNorm of bf16 rows (bit patterns, int16 [N, D]) times weight (fp32 [D]), in fp32, each result rounded to
     bf16 into out (int16 [N, D]): torch's F.rms_norm of the rows in fp32, then .to(bfloat16)."""
@@ -758,9 +768,7 @@ def deltanet_layer_step(in_norm, post_norm, norm_eps, code, qkv_q, qkv_scale, z_
     projection (`code`'s format), then residual_moe. Each intermediate is rounded to bf16 where the layer's path with
     the separate kernels rounds it, so the step returns what that path returns."""
     x = bf16_rows(x_bits)
-    h = x.copy()
-    rms_norm_rows(h, in_norm, norm_eps)
-    round_bf16(h.reshape(-1))
+    h = normed_bf16(x, in_norm, norm_eps)
     qkv = bf16_product(code, qkv_q, qkv_scale, h)
     z = bf16_product(code, z_q, z_scale, h)
     beta = bf16_product(BF16, b_q, no_scale, h)
@@ -790,9 +798,7 @@ def attention_layer_step(in_norm, post_norm, norm_eps, code, q_q, q_scale, k_q, 
     tokens = x.shape[0]
     kv_heads, head_dim = keys.shape[1], keys.shape[3]
     group = heads // kv_heads
-    h = x.copy()
-    rms_norm_rows(h, in_norm, norm_eps)
-    round_bf16(h.reshape(-1))
+    h = normed_bf16(x, in_norm, norm_eps)
     q_gate = bf16_product(code, q_q, q_scale, h)  # [T, heads * 2 * head_dim]
     q = np.empty((tokens * heads, head_dim), np.float32)
     gate = np.empty((tokens, heads * head_dim), np.float32)
@@ -865,8 +871,7 @@ def attend_cached(q, keys, values, length, group, out):
         first = b * KEY_BLOCK
         n = min(length, first + KEY_BLOCK) - first
         heads_of_kv = slice(kv * group, (kv + 1) * group)
-        scores = key_scores(q[t * heads + kv * group:t * heads + (kv + 1) * group],
-                            bf16_tile(keys[t, kv], first, n), scale)
+        scores = key_scores(q[t * heads:(t + 1) * heads][heads_of_kv], bf16_tile(keys[t, kv], first, n), scale)
         for g in range(group):
             top = scores[g, 0]
             for j in range(1, n):
@@ -960,9 +965,6 @@ def residual_moe(x, mixed, post_norm, norm_eps, router_q, mix_q, no_scale, share
     residual, rounded to bf16 into out (int16 [T, H])."""
     x += mixed
     round_bf16(x.reshape(-1))
-    h = x.copy()
-    rms_norm_rows(h, post_norm, norm_eps)
-    round_bf16(h.reshape(-1))
     x += moe_step(router_q, mix_q, no_scale, shared_code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale,
-                  routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, h)
+                  routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, normed_bf16(x, post_norm, norm_eps))
     bf16_bits(x, out)
