@@ -13,8 +13,9 @@ from a3b_core.engine import load_model
 def short_run(out: Path) -> tuple[Path, Path]:
     bf16, fp8 = out / "bf16", out / "fp8"
     train.main(["train", "--vision-steps", "2", "--steps", "2", "--batch", "2", "--warmup", "1", "--validation", "2",
-                "--eval-every", "2", "--threads", str(torch.get_num_threads()), "--out", str(bf16),
-                "--out-fp8", str(fp8)])
+                "--video-steps", "2", "--video-clips", "1", "--video-scenes", "1", "--video-warmup", "1",
+                "--clip-validation", "2", "--eval-every", "2", "--threads", str(torch.get_num_threads()),
+                "--out", str(bf16), "--out-fp8", str(fp8)])
     return bf16, fp8
 
 

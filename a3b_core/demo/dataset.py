@@ -211,24 +211,31 @@ def draw(scene: Scene, rng: random.Random, size: int = IMAGE_SIZE) -> Image.Imag
         row, col = divmod(POSITIONS.index(shape.position), 3)
         cx = (col + 0.5) / 3 + rng.uniform(-slack, slack)
         cy = (row + 0.5) / 3 + rng.uniform(-slack, slack)
-        # The shape's coverage of each pixel, measured on a 4x finer grid: soft edges, or for pixel art the
-        # pixels at least half covered, so that it keeps hard edges, few colours and its true size. Only the
-        # pixels around the shape are measured (a whole 4x canvas per shape made data the training bottleneck).
-        left, top = (max(0, math.floor((c - diameter / 2) * grid) - 1) for c in (cx, cy))
-        right, bottom = (min(grid, math.ceil((c + diameter / 2) * grid) + 1) for c in (cx, cy))
-        fine = grid * SUPERSAMPLE
-        outline = _fit(_unit_outline(shape.kind), cx * fine, cy * fine, diameter * fine)
-        mask = Image.new("L", ((right - left) * SUPERSAMPLE, (bottom - top) * SUPERSAMPLE), 0)
-        ImageDraw.Draw(mask).polygon([(x - left * SUPERSAMPLE, y - top * SUPERSAMPLE) for x, y in outline], fill=255)
-        mask = mask.resize((right - left, bottom - top), Image.Resampling.BOX)
-        if scene.pixel_art:
-            mask = mask.point(lambda coverage: 255 if coverage >= 128 else 0)
-        canvas.paste(COLOURS[shape.colour], (left, top), mask=mask)
+        paint(canvas, shape.kind, shape.colour, cx, cy, diameter, hard_edges=scene.pixel_art)
     if not scene.pixel_art:
         return canvas
     canvas = canvas.resize((size, size), Image.Resampling.NEAREST)
     canvas.paste(canvas.point(grid_line_level), mask=_grid_lines(size, size // grid))
     return canvas
+
+
+def paint(canvas: Image.Image, kind: str, colour: str, cx: float, cy: float, diameter: float,
+          hard_edges: bool = False) -> None:
+    """Paints one shape onto a square canvas, centred at (cx, cy) and `diameter` across, all as fractions of the side.
+    The shape's coverage of each pixel is measured on a 4x finer grid: soft edges, or with `hard_edges` (pixel art)
+    the pixels at least half covered, so that it keeps hard edges, few colours and its true size. Only the pixels
+    around the shape are measured (a whole 4x canvas per shape made data the training bottleneck)."""
+    grid = canvas.width
+    left, top = (max(0, math.floor((c - diameter / 2) * grid) - 1) for c in (cx, cy))
+    right, bottom = (min(grid, math.ceil((c + diameter / 2) * grid) + 1) for c in (cx, cy))
+    fine = grid * SUPERSAMPLE
+    outline = _fit(_unit_outline(kind), cx * fine, cy * fine, diameter * fine)
+    mask = Image.new("L", ((right - left) * SUPERSAMPLE, (bottom - top) * SUPERSAMPLE), 0)
+    ImageDraw.Draw(mask).polygon([(x - left * SUPERSAMPLE, y - top * SUPERSAMPLE) for x, y in outline], fill=255)
+    mask = mask.resize((right - left, bottom - top), Image.Resampling.BOX)
+    if hard_edges:
+        mask = mask.point(lambda coverage: 255 if coverage >= 128 else 0)
+    canvas.paste(COLOURS[colour], (left, top), mask=mask)
 
 
 def grid_line_level(level: int) -> int:

@@ -44,14 +44,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..image import to_patches
+from .. import video as video_pipeline
 from ..models import parse_config
 from ..models.qwen3_5.chat_template import build_prompt
 from ..models.mrope import mrope_position_ids
 from ..models.qwen3_5.text import TextModel
 from ..models.vision import VisionTower
-from ..prompt import Turn
+from ..prompt import Turn, VideoTokens
 from ..tokenizer import Tokenizer
-from . import dataset
+from . import clips, dataset
 from .build_tokenizer import build_demo_tokenizer
 
 DEMO_DIR = Path(__file__).parent / "a3b-demo"
@@ -241,17 +242,65 @@ def collate(items: list[dict], image_token_id: int, merge: int) -> dict:
         labels[row, :len(lab)] = torch.tensor(lab)
         positions[:, row, :len(seq)] = mrope_position_ids(torch.tensor(seq), [grid], image_token_id, merge)[0]
     return dict(pixels=torch.cat([item["pixels"] for item in items]), grids=grids, ids=ids, labels=labels,
-                positions=positions, captions=len(items), cells=torch.cat([item["cells"] for item in items]))
+                positions=positions, captions=len(items), cells=torch.cat([item["cells"] for item in items]),
+                repeat=2)
+
+
+class ClipData(torch.utils.data.Dataset):
+    """Item i: one clip drawn from seed (seed, "clip", i), sampled as the video workflow samples it, as patches plus
+    its caption sequence."""
+
+    def __init__(self, config: dict, seed: int, length: int):
+        self.config, self.seed, self.length = config, seed, length
+        self.tokenizer: Tokenizer | None = None
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, i: int) -> dict:
+        if self.tokenizer is None:
+            self.tokenizer = Tokenizer(build_demo_tokenizer())
+        rng = random.Random(f"{self.seed}-clip-{i}")
+        clip = clips.random_clip(rng)
+        vcfg = self.config["vision_config"]
+        sampled = video_pipeline.preprocess_video(
+            torch.from_numpy(clips.draw_clip(clip, rng)), clips.CLIP_FRAME_RATE, fps=clips.SAMPLE_FPS,
+            max_frames=clips.MAX_FRAMES, patch_size=vcfg["patch_size"], temporal_patch_size=vcfg["temporal_patch_size"],
+            merge_size=vcfg["spatial_merge_size"])
+        groups, gh, gw = sampled.grid
+        media = VideoTokens(gh * gw // vcfg["spatial_merge_size"] ** 2, sampled.timestamps)
+        im_end = self.tokenizer.token_id("<|im_end|>")
+        caption = clips.describe_clip(clip)
+        ids = list(build_prompt(self.tokenizer, clips.VIDEO_PROMPT, image_token_counts=[media]).input_ids)
+        ids += self.tokenizer.encode(caption) + [im_end]
+        return dict(pixels=sampled.pixel_values, grid=sampled.grid,
+                    sequence=(ids, answer_labels(ids, [caption], self.tokenizer, im_end)))
+
+
+def collate_clips(items: list[dict], media_ids: tuple[int, int], merge: int) -> dict:
+    """Right-padded batch of clip caption sequences; each clip's frame groups are its M-RoPE time steps."""
+    length = max(len(item["sequence"][0]) for item in items)
+    ids = torch.zeros(len(items), length, dtype=torch.long)
+    labels = torch.full((len(items), length), IGNORE, dtype=torch.long)
+    positions = torch.zeros(3, len(items), length, dtype=torch.long)
+    for row, item in enumerate(items):
+        (seq, lab), (groups, gh, gw) = item["sequence"], item["grid"]
+        ids[row, :len(seq)] = torch.tensor(seq)
+        labels[row, :len(lab)] = torch.tensor(lab)
+        positions[:, row, :len(seq)] = mrope_position_ids(torch.tensor(seq), [(1, gh, gw)] * groups, media_ids,
+                                                          merge)[0]
+    return dict(pixels=torch.cat([item["pixels"] for item in items]), grids=[item["grid"] for item in items],
+                ids=ids, labels=labels, positions=positions, captions=len(items), repeat=1)
 
 
 # --------------------------------------------------------------------------------------------------- forward
-def forward_logits(text: TextModel, vision: VisionTower, batch: dict, image_token_id: int,
+def forward_logits(text: TextModel, vision: VisionTower, batch: dict, media_ids: tuple[int, int],
                    probe: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """LM logits, and the cell probe's loss when a probe is given."""
-    image_rows = vision(batch["pixels"], batch["grids"])  # both sequences of an image read the same rows
+    """LM logits, and the cell probe's loss when a probe is given. `media_ids`: the image and video pad ids."""
+    image_rows = vision(batch["pixels"], batch["grids"])  # every sequence of an image reads the same rows
     embeds = text.embed_tokens(batch["ids"])
-    pads = (batch["ids"] == image_token_id)[..., None]
-    embeds = embeds.masked_scatter(pads, torch.cat([image_rows, image_rows]))
+    pads = torch.isin(batch["ids"], torch.tensor(media_ids))[..., None]
+    embeds = embeds.masked_scatter(pads, image_rows.repeat(batch["repeat"], 1))
     loss = None if probe is None else probe_loss(probe, image_rows, batch["cells"])
     return text(embeds, batch["positions"]), loss
 
@@ -286,9 +335,10 @@ def caption_exact(logits: torch.Tensor, batch: dict) -> torch.Tensor:
 
 
 @torch.no_grad()
-def validation_accuracy(text: TextModel, vision: VisionTower, batches: list[dict], image_token_id: int) -> float:
+def validation_accuracy(text: TextModel, vision: VisionTower, batches: list[dict],
+                        media_ids: tuple[int, int]) -> float:
     text.eval(), vision.eval()
-    exact = torch.cat([caption_exact(forward_logits(text, vision, b, image_token_id)[0], b) for b in batches])
+    exact = torch.cat([caption_exact(forward_logits(text, vision, b, media_ids)[0], b) for b in batches])
     text.train(), vision.train()
     return exact.float().mean().item()
 
@@ -298,6 +348,17 @@ def fixed_batches(config: dict, seed: int, n: int, batch_size: int) -> list[dict
     merge = config["vision_config"]["spatial_merge_size"]
     items = [data[i] for i in range(n)]
     return [collate(items[i:i + batch_size], config["image_token_id"], merge) for i in range(0, n, batch_size)]
+
+
+def fixed_clip_batches(config: dict, seed: int, n: int, batch_size: int) -> list[dict]:
+    data = ClipData(config, seed, n)
+    items = [data[i] for i in range(n)]
+    return [collate_clips(items[i:i + batch_size], media_ids(config), config["vision_config"]["spatial_merge_size"])
+            for i in range(0, n, batch_size)]
+
+
+def media_ids(config: dict) -> tuple[int, int]:
+    return config["image_token_id"], config["video_token_id"]
 
 
 # ----------------------------------------------------------------------------------------------------- export
@@ -435,15 +496,22 @@ def take_step(optimiser: torch.optim.Optimizer, params: list[nn.Parameter], loss
     optimiser.zero_grad(set_to_none=True)
 
 
-def scene_loader(config: dict, args: argparse.Namespace, steps: int, offset: int,
-                 one_shape_steps: int = 0) -> torch.utils.data.DataLoader:
+def scene_loader(config: dict, args: argparse.Namespace, steps: int, offset: int, one_shape_steps: int = 0,
+                 batch: int | None = None) -> torch.utils.data.DataLoader:
     image_token_id, merge = config["image_token_id"], config["vision_config"]["spatial_merge_size"]
-    data = SceneData(config, args.seed, steps * args.batch, one_shape_items=one_shape_steps * args.batch,
-                     offset=offset)
+    batch = args.batch if batch is None else batch
+    data = SceneData(config, args.seed, steps * batch, one_shape_items=one_shape_steps * batch, offset=offset)
     # Scenes are drawn in this process between steps: a loader worker on a 2-core machine stalls the 2 compute
     # threads (measured: 0.91 s a step in-process against 1.07 s with a worker).
-    return torch.utils.data.DataLoader(data, batch_size=args.batch, shuffle=False, num_workers=0,
+    return torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False, num_workers=0,
                                        collate_fn=lambda items: collate(items, image_token_id, merge))
+
+
+def clip_loader(config: dict, args: argparse.Namespace) -> torch.utils.data.DataLoader:
+    merge = config["vision_config"]["spatial_merge_size"]
+    data = ClipData(config, args.seed, args.video_steps * args.video_clips)
+    return torch.utils.data.DataLoader(data, batch_size=args.video_clips, shuffle=False, num_workers=0,
+                                       collate_fn=lambda items: collate_clips(items, media_ids(config), merge))
 
 
 def pretrain_vision(vision: VisionTower, probe: nn.Module, loader: torch.utils.data.DataLoader,
@@ -475,7 +543,7 @@ def train(args: argparse.Namespace) -> None:
     probe = nn.Linear(config["text_config"]["hidden_size"], sum(CELL_TARGETS))  # training only, not exported
     print(f"parameters: text {sum(p.numel() for p in text.parameters()):,}, "
           f"vision {sum(p.numel() for p in vision.parameters()):,}", flush=True)
-    image_token_id = config["image_token_id"]
+    media = media_ids(config)
     validation = fixed_batches(config, VALIDATION_SEED, args.validation, 50)
     if args.vision_steps > 0:
         pretrain_vision(vision, probe, scene_loader(config, args, args.vision_steps, args.data_offset), validation,
@@ -483,11 +551,11 @@ def train(args: argparse.Namespace) -> None:
     loader = scene_loader(config, args, args.steps, args.data_offset + args.vision_steps * args.batch,
                           args.one_shape_steps)
     optimiser, params = optimiser_for([text, vision, probe], args.lr)
-    best = -1.0 if args.init_from is None else validation_accuracy(text, vision, validation, image_token_id)
+    best = -1.0 if args.init_from is None else validation_accuracy(text, vision, validation, media)
     started = time.perf_counter()
     text.train(), vision.train()
     for step, batch in enumerate(loader):
-        logits, cell_loss = forward_logits(text, vision, batch, image_token_id, probe)
+        logits, cell_loss = forward_logits(text, vision, batch, media, probe)
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
         take_step(optimiser, params, loss + args.probe_weight * cell_loss,
                   scheduled_lr(step, args.steps, args.lr, args.warmup))
@@ -497,7 +565,7 @@ def train(args: argparse.Namespace) -> None:
                   f"probe {cell_loss.item():.4f}  train caption exact {train_exact:.2f}", flush=True)
         last = step == args.steps - 1
         if (step + 1) % args.eval_every == 0 or last:
-            accuracy = validation_accuracy(text, vision, validation, image_token_id)
+            accuracy = validation_accuracy(text, vision, validation, media)
             print(f"step {step + 1:5d}  {time.perf_counter() - started:7.1f}s  validation caption exact "
                   f"{accuracy:.3f}", flush=True)
             if accuracy >= best:
@@ -505,6 +573,48 @@ def train(args: argparse.Namespace) -> None:
                 export(text, vision, config, args.out, args.out_fp8)
                 print(f"            exported (best so far) to {args.out} and {args.out_fp8}", flush=True)
     print(f"done in {time.perf_counter() - started:.0f}s; best validation caption exact {best:.3f}", flush=True)
+    if args.video_steps > 0:
+        if args.steps > 0:
+            load_release(text, vision, args.out)  # phase 3 continues from phase 2's exported best
+        learn_video(text, vision, config, validation, args)
+
+
+def learn_video(text: TextModel, vision: VisionTower, config: dict, validation: list[dict],
+                args: argparse.Namespace) -> None:
+    """Phase 3: clips (`clips.py`) join the scenes, each step `args.video_clips` of them beside `args.video_scenes`
+    scenes, at a learning rate low enough for the scenes' captions to hold. The step with the best sum of the scene
+    and clip validation accuracies is exported, and nothing unless it beats the start."""
+    torch.manual_seed(args.seed)
+    media = media_ids(config)
+    clip_validation = fixed_clip_batches(config, VALIDATION_SEED, args.clip_validation, 16)
+    scenes = scene_loader(config, args, args.video_steps,
+                          args.data_offset + args.vision_steps * args.batch + args.steps * args.batch,
+                          batch=args.video_scenes)
+    optimiser, params = optimiser_for([text, vision], args.video_lr)
+
+    def accuracies() -> tuple[float, float]:
+        return (validation_accuracy(text, vision, validation, media),
+                validation_accuracy(text, vision, clip_validation, media))
+
+    best = sum(accuracies())
+    started = time.perf_counter()
+    text.train(), vision.train()
+    for step, (scene_batch, clip_batch) in enumerate(zip(scenes, clip_loader(config, args))):
+        losses = [F.cross_entropy(forward_logits(text, vision, b, media)[0].flatten(0, 1), b["labels"].flatten(),
+                                  ignore_index=IGNORE) for b in (scene_batch, clip_batch)]
+        take_step(optimiser, params, sum(losses),
+                  scheduled_lr(step, args.video_steps, args.video_lr, args.video_warmup))
+        if step % args.log_every == 0:
+            print(f"video step {step:5d}  {time.perf_counter() - started:7.1f}s  scene loss {losses[0].item():.4f}  "
+                  f"clip loss {losses[1].item():.4f}", flush=True)
+        if (step + 1) % args.eval_every == 0 or step == args.video_steps - 1:
+            scene_exact, clip_exact = accuracies()
+            print(f"video step {step + 1:5d}  {time.perf_counter() - started:7.1f}s  validation caption exact: "
+                  f"scenes {scene_exact:.3f}, clips {clip_exact:.3f}", flush=True)
+            if scene_exact + clip_exact > best:
+                best = scene_exact + clip_exact
+                export(text, vision, config, args.out, args.out_fp8)
+                print(f"            exported (best so far) to {args.out} and {args.out_fp8}", flush=True)
 
 
 def evaluate(args: argparse.Namespace) -> None:
@@ -535,6 +645,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--init-from", type=Path, default=None, help="continue from an exported BF16 folder")
     parser.add_argument("--data-offset", type=int, default=0, help="skip this many scenes of the training stream")
     parser.add_argument("--probe-weight", type=float, default=1.0)
+    parser.add_argument("--video-steps", type=int, default=300, help="phase 3: steps with clips beside scenes")
+    parser.add_argument("--video-clips", type=int, default=8, help="phase 3: clips a step")
+    parser.add_argument("--video-scenes", type=int, default=12, help="phase 3: scenes a step")
+    parser.add_argument("--video-lr", type=float, default=3e-4)
+    parser.add_argument("--video-warmup", type=int, default=20)
+    parser.add_argument("--clip-validation", type=int, default=64, help="validation clips (seed 998)")
     parser.add_argument("--log-every", type=int, default=20)
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--validation", type=int, default=200, help="validation scenes (seed 998)")

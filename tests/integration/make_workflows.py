@@ -13,6 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from a3b_core.demo.clips import MAX_FRAMES, SAMPLE_FPS, VIDEO_PROMPT
 from a3b_core.demo.dataset import CAPTION_PROMPT
 from tests.integration.comfy_server import NODE_MODULES, REPO, comfyui_missing_reason, prepare_base, start_server
 from tests.integration.pixel_art_inputs import DATASET as PIXEL_ART_DATASET
@@ -110,17 +111,17 @@ PIXEL_ART_LORA_CAPTIONING = {
 }
 
 # One caption per clip (per-image mode), saved as <clip name>.txt (Video Encode's names output names the clip after
-# its file): the layout video LoRA trainers read.
+# its file): the layout video LoRA trainers read. The clip is drawn by the demo model's own clip generator and the
+# request is the one it was trained on, so the workflow gives the right caption with "a3b-demo"; the frame sampling
+# (fps 4, at most 16 frames) is the one its clips were trained with.
 VIDEO_LORA_CAPTIONING = {
     "nodes": {
         "loader": _LOADER,
         "video": {"type": "LoadVideo", "pos": [40, 400], "size": [330, 380], "widgets": {"file": CLIP_NAME}},
         "encode": {"type": "A3BVideoEncode", "pos": [410, 400], "size": [330, 300],
-                   "widgets": {"fps": 4.0, "max_frames": 16}},
+                   "widgets": {"fps": SAMPLE_FPS, "max_frames": MAX_FRAMES}},
         "prompt": {"type": "A3BPrompt", "pos": [410, 60], "size": [440, 300], "widgets": {
-            "system": "You caption video clips for a video LoRA training dataset.",
-            "user": "[[VID]]\nCaption this clip in one sentence: the subject, how it moves, the background.",
-            "thinking": False}},
+            "system": "", "user": VIDEO_PROMPT, "thinking": False}},
         "generate": {"type": "A3BGenerate", "pos": [890, 60], "size": [380, 700], "widgets": {
             "mode": "per image", "max_new_tokens": 160, "seed": 7, "control_after_generate": "fixed"}},
         "save": {"type": "A3BSaveCaptions", "pos": [1310, 60], "size": [330, 380], "widgets": {

@@ -9,6 +9,8 @@ from tests.integration.comfy_server import ComfyServer
 from tests.integration.conftest import (BROKEN_MODEL, TEST_MAX_NEW_TOKENS, caption_file_names, error_message,
                                         load_api_workflow)
 from tests.integration.pixel_art_inputs import expected_captions
+from tests.integration.video_inputs import CLIP_NAME
+from tests.integration.video_inputs import expected_caption as expected_clip_caption
 from tests.integration.view_inputs import expected_captions as expected_view_captions
 
 pytestmark = pytest.mark.comfyui
@@ -86,6 +88,17 @@ def test_multi_view_workflow_as_shipped_captions_each_view_on_the_demo_model(com
     (save,) = _nodes(graph, "A3BSaveCaptions")
     folder = comfy.output_dir / graph[save]["inputs"]["subfolder"]
     assert {name: (folder / name.replace(".png", ".txt")).read_text().strip() for name in expected} == expected
+
+
+def test_video_workflow_as_shipped_captions_the_clip_on_the_demo_model(comfy: ComfyServer) -> None:
+    graph = load_api_workflow("video_lora_captioning", model="a3b-demo")
+    entry = comfy.run(graph)
+    _succeeded(comfy, entry)
+    (generate,) = _nodes(graph, "A3BGenerate")
+    assert entry["outputs"][generate]["a3b_answer"] == [expected_clip_caption()]
+    (save,) = _nodes(graph, "A3BSaveCaptions")
+    caption = comfy.output_dir / graph[save]["inputs"]["subfolder"] / CLIP_NAME.replace(".webm", ".txt")
+    assert caption.read_text().strip() == expected_clip_caption()
 
 
 def test_the_folder_node_skips_captioned_images_on_a_rerun(comfy: ComfyServer) -> None:
