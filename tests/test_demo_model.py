@@ -1,5 +1,6 @@
 """The shipped demo model "a3b-demo": it captions held-out scenes through the full engine pipeline, as BF16 and as the
-FP8 copy, and most held-out clips, honours a wide-gamut ICC profile, is what the CLI uses by default, and stays a few MB."""
+FP8 copy, and most held-out clips, honours a wide-gamut ICC profile, is what the CLI uses by default, and stays a few
+MB."""
 from __future__ import annotations
 
 import io
