@@ -75,4 +75,3 @@ def test_training_sees_the_prompt_the_engine_makes_of_the_clip():
     assert ids == list(prompt.input_ids) + answer
     assert [label for label in labels if label != train.IGNORE] == answer
     assert item["grid"] == video.grids[0] == (4, 12, 12)
-

@@ -44,7 +44,7 @@ class Clip:
 def describe_clip(clip: Clip) -> str:
     """The one canonical caption of a clip."""
     return (f"a {clip.size} {clip.colour} {clip.kind} moving from the {clip.start} to the {clip.end} on "
-            f"{dataset._article(clip.background)} {clip.background} background")
+            f"{dataset.article(clip.background)} {clip.background} background")
 
 
 def random_clip(rng: random.Random) -> Clip:
@@ -74,8 +74,3 @@ def draw_clip(clip: Clip, rng: random.Random, size: int = dataset.IMAGE_SIZE,
         dataset.paint(canvas, clip.kind, clip.colour, cx, cy, diameter)
         out[index] = np.asarray(canvas)
     return out
-
-
-def grammar_phrases() -> list[str]:
-    """Phrases holding every word a clip caption and the video request add to the still scenes' grammar."""
-    return [VIDEO_PROMPT] + [f"moving from the {start} to the {end}" for start, end in MOTIONS]

@@ -100,7 +100,7 @@ class Sample:
         return list(self.scene.shapes)
 
 
-def _article(word: str) -> str:
+def article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
 
 
@@ -116,7 +116,7 @@ def describe(scene: Scene) -> str:
     """The one canonical caption of a scene."""
     phrases = [describe_shape(s) for s in scene.shapes]
     listed = phrases[0] if len(phrases) == 1 else ", ".join(phrases[:-1]) + " and " + phrases[-1]
-    text = f"{listed} on {_article(scene.background)} {scene.background} background"
+    text = f"{listed} on {article(scene.background)} {scene.background} background"
     return "pixel art of " + text if scene.pixel_art else text
 
 
@@ -137,7 +137,7 @@ def parse_caption(text: str) -> Scene | None:
     listed, sep, background_phrase = text.rpartition(" on ")
     bg_words = background_phrase.split(" ")
     if (not sep or len(bg_words) != 3 or bg_words[1] not in COLOURS
-            or bg_words[0] != _article(bg_words[1]) or bg_words[2] != "background"):
+            or bg_words[0] != article(bg_words[1]) or bg_words[2] != "background"):
         return None
     head, sep, last = listed.rpartition(" and ")
     phrases = (head.split(", ") + [last]) if sep else [listed]
@@ -270,7 +270,7 @@ def grammar_phrases() -> list[str]:
     that can start a caption or answer appears once at the start): a tokenizer trained on them covers all captions."""
     phrases = [describe_shape(Shape(kind, colour, position, size))
                for kind in SHAPES for colour in COLOURS for position in POSITIONS for size in SIZES]
-    phrases += [f"on {_article(c)} {c} background" for c in COLOURS]
+    phrases += [f"on {article(c)} {c} background" for c in COLOURS]
     some_shapes = tuple(Shape(SHAPES[0], colour, POSITIONS[0], SIZES[0]) for colour in list(COLOURS)[:3])
     phrases.append(describe(Scene(some_shapes, background="blue", pixel_art=True)))  # the joins and the prefix
     phrases += [CAPTION_PROMPT, COUNT_QUESTION, BACKGROUND_QUESTION, EMPTY_CELL_ANSWER]
