@@ -63,9 +63,7 @@ def test_training_sees_the_prompt_the_engine_makes_of_the_clip():
     tokenizer = Tokenizer(build_demo_tokenizer())
     config = train.demo_config(tokenizer)
     item = train.ClipData(config, seed=3, length=1)[0]
-    rng = random.Random("3-clip-0")  # ClipData's seed for its item 0
-    clip = clips.random_clip(rng)
-    frames = clips.draw_clip(clip, rng)
+    clip, frames = clips.seeded_clip(3, 0)
     model = load_model("a3b-demo")
     video = model.encode_video(torch.from_numpy(frames), frame_rate=clips.CLIP_FRAME_RATE, fps=clips.SAMPLE_FPS,
                                max_frames=clips.MAX_FRAMES)

@@ -74,3 +74,10 @@ def draw_clip(clip: Clip, rng: random.Random, size: int = dataset.IMAGE_SIZE,
         dataset.paint(canvas, clip.kind, clip.colour, cx, cy, diameter)
         out[index] = np.asarray(canvas)
     return out
+
+
+def seeded_clip(seed: int, index: int) -> tuple[Clip, np.ndarray]:
+    """Clip `index` of the stream `seed` (training, validation and held-out clips alike), with its frames."""
+    rng = random.Random(f"{seed}-clip-{index}")
+    clip = random_clip(rng)
+    return clip, draw_clip(clip, rng)

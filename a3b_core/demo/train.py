@@ -57,7 +57,7 @@ from ..models.qwen3_5.chat_template import build_prompt
 from ..models.mrope import mrope_position_ids
 from ..models.qwen3_5.text import TextModel
 from ..models.vision import VisionTower
-from ..prompt import Turn, VideoTokens
+from ..prompt import MediaTokens, Turn, VideoTokens
 from ..tokenizer import Tokenizer
 from . import clips, dataset
 from .build_tokenizer import build_demo_tokenizer
@@ -172,10 +172,11 @@ def answer_labels(ids: list[int], answers: list[str], tokenizer: Tokenizer, im_e
     return labels
 
 
-def caption_sequence(tokenizer: Tokenizer, caption: str, image_tokens: int) -> tuple[list[int], list[int]]:
-    """The caption conversation exactly as the engine prompts it, answered."""
+def caption_sequence(tokenizer: Tokenizer, caption: str, media: MediaTokens,
+                     request: str = dataset.CAPTION_PROMPT) -> tuple[list[int], list[int]]:
+    """The caption conversation of one image or clip exactly as the engine prompts it, answered."""
     im_end = tokenizer.token_id("<|im_end|>")
-    ids = list(build_prompt(tokenizer, dataset.CAPTION_PROMPT, image_token_counts=[image_tokens]).input_ids)
+    ids = list(build_prompt(tokenizer, request, image_token_counts=[media]).input_ids)
     ids += tokenizer.encode(caption) + [im_end]
     return ids, answer_labels(ids, [caption], tokenizer, im_end)
 
@@ -235,22 +236,30 @@ def cell_targets(scene: dataset.Scene, side: int) -> torch.Tensor:
     return cells[cell_of_token.flatten()]
 
 
-def collate(items: list[dict], image_token_id: int, merge: int) -> dict:
-    """Right-padded batch: all caption sequences, then all question sequences (padding after the end is never seen
-    by earlier tokens, as every layer is causal)."""
-    seqs = [item["sequences"][0] for item in items] + [item["sequences"][1] for item in items]
-    grids = [item["grid"] for item in items]
+def padded(seqs: list[tuple[list[int], list[int]]], grids: list[tuple[int, int, int]], media_ids: tuple[int, int],
+           merge: int) -> dict:
+    """Right-padded ids, labels and M-RoPE positions of sequences that hold one image or clip each (`grids`, one per
+    sequence; a clip's frame groups are its time steps). Padding after the end is never seen by earlier tokens, as
+    every layer is causal."""
     length = max(len(ids) for ids, _ in seqs)
     ids = torch.zeros(len(seqs), length, dtype=torch.long)
     labels = torch.full((len(seqs), length), IGNORE, dtype=torch.long)
     positions = torch.zeros(3, len(seqs), length, dtype=torch.long)
-    for row, ((seq, lab), grid) in enumerate(zip(seqs, grids + grids)):
+    for row, ((seq, lab), (groups, gh, gw)) in enumerate(zip(seqs, grids)):
         ids[row, :len(seq)] = torch.tensor(seq)
         labels[row, :len(lab)] = torch.tensor(lab)
-        positions[:, row, :len(seq)] = mrope_position_ids(torch.tensor(seq), [grid], image_token_id, merge)[0]
-    return dict(pixels=torch.cat([item["pixels"] for item in items]), grids=grids, ids=ids, labels=labels,
-                positions=positions, captions=len(items), cells=torch.cat([item["cells"] for item in items]),
-                repeat=2)
+        positions[:, row, :len(seq)] = mrope_position_ids(torch.tensor(seq), [(1, gh, gw)] * groups, media_ids,
+                                                          merge)[0]
+    return dict(ids=ids, labels=labels, positions=positions)
+
+
+def collate(items: list[dict], media_ids: tuple[int, int], merge: int) -> dict:
+    """A batch of scenes: all caption sequences, then all question sequences."""
+    seqs = [item["sequences"][0] for item in items] + [item["sequences"][1] for item in items]
+    grids = [item["grid"] for item in items]
+    return dict(pixels=torch.cat([item["pixels"] for item in items]), grids=grids, captions=len(items),
+                cells=torch.cat([item["cells"] for item in items]), repeat=2,
+                **padded(seqs, grids + grids, media_ids, merge))
 
 
 class ClipData(torch.utils.data.Dataset):
@@ -267,37 +276,23 @@ class ClipData(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> dict:
         if self.tokenizer is None:
             self.tokenizer = Tokenizer(build_demo_tokenizer())
-        rng = random.Random(f"{self.seed}-clip-{i}")
-        clip = clips.random_clip(rng)
+        clip, frames = clips.seeded_clip(self.seed, i)
         vcfg = self.config["vision_config"]
         sampled = video_pipeline.preprocess_video(
-            torch.from_numpy(clips.draw_clip(clip, rng)), clips.CLIP_FRAME_RATE, fps=clips.SAMPLE_FPS,
-            max_frames=clips.MAX_FRAMES, patch_size=vcfg["patch_size"], temporal_patch_size=vcfg["temporal_patch_size"],
+            torch.from_numpy(frames), clips.CLIP_FRAME_RATE, fps=clips.SAMPLE_FPS, max_frames=clips.MAX_FRAMES,
+            patch_size=vcfg["patch_size"], temporal_patch_size=vcfg["temporal_patch_size"],
             merge_size=vcfg["spatial_merge_size"])
-        groups, gh, gw = sampled.grid
+        _, gh, gw = sampled.grid
         media = VideoTokens(gh * gw // vcfg["spatial_merge_size"] ** 2, sampled.timestamps)
-        im_end = self.tokenizer.token_id("<|im_end|>")
-        caption = clips.describe_clip(clip)
-        ids = list(build_prompt(self.tokenizer, clips.VIDEO_PROMPT, image_token_counts=[media]).input_ids)
-        ids += self.tokenizer.encode(caption) + [im_end]
         return dict(pixels=sampled.pixel_values, grid=sampled.grid,
-                    sequence=(ids, answer_labels(ids, [caption], self.tokenizer, im_end)))
+                    sequence=caption_sequence(self.tokenizer, clips.describe_clip(clip), media, clips.VIDEO_PROMPT))
 
 
 def collate_clips(items: list[dict], media_ids: tuple[int, int], merge: int) -> dict:
-    """Right-padded batch of clip caption sequences; each clip's frame groups are its M-RoPE time steps."""
-    length = max(len(item["sequence"][0]) for item in items)
-    ids = torch.zeros(len(items), length, dtype=torch.long)
-    labels = torch.full((len(items), length), IGNORE, dtype=torch.long)
-    positions = torch.zeros(3, len(items), length, dtype=torch.long)
-    for row, item in enumerate(items):
-        (seq, lab), (groups, gh, gw) = item["sequence"], item["grid"]
-        ids[row, :len(seq)] = torch.tensor(seq)
-        labels[row, :len(lab)] = torch.tensor(lab)
-        positions[:, row, :len(seq)] = mrope_position_ids(torch.tensor(seq), [(1, gh, gw)] * groups, media_ids,
-                                                          merge)[0]
-    return dict(pixels=torch.cat([item["pixels"] for item in items]), grids=[item["grid"] for item in items],
-                ids=ids, labels=labels, positions=positions, captions=len(items), repeat=1)
+    """A batch of clips' caption sequences."""
+    grids = [item["grid"] for item in items]
+    return dict(pixels=torch.cat([item["pixels"] for item in items]), grids=grids, captions=len(items), repeat=1,
+                **padded([item["sequence"] for item in items], grids, media_ids, merge))
 
 
 # --------------------------------------------------------------------------------------------------- forward
@@ -354,7 +349,7 @@ def fixed_batches(config: dict, seed: int, n: int, batch_size: int) -> list[dict
     data = SceneData(config, seed, n)
     merge = config["vision_config"]["spatial_merge_size"]
     items = [data[i] for i in range(n)]
-    return [collate(items[i:i + batch_size], config["image_token_id"], merge) for i in range(0, n, batch_size)]
+    return [collate(items[i:i + batch_size], media_ids(config), merge) for i in range(0, n, batch_size)]
 
 
 def fixed_clip_batches(config: dict, seed: int, n: int, batch_size: int) -> list[dict]:
@@ -483,10 +478,9 @@ def clip_accuracy(folder: Path | str, seed: int, n: int, compute_dtype: str = "a
     model = load_model(folder, compute_dtype=compute_dtype)
     right = 0
     for i in range(n):
-        rng = random.Random(f"{seed}-clip-{i}")
-        clip = clips.random_clip(rng)
-        video = model.encode_video(torch.from_numpy(clips.draw_clip(clip, rng)), frame_rate=clips.CLIP_FRAME_RATE,
-                                   fps=clips.SAMPLE_FPS, max_frames=clips.MAX_FRAMES)
+        clip, frames = clips.seeded_clip(seed, i)
+        video = model.encode_video(torch.from_numpy(frames), frame_rate=clips.CLIP_FRAME_RATE, fps=clips.SAMPLE_FPS,
+                                   max_frames=clips.MAX_FRAMES)
         prompt = model.build_prompt(user=clips.VIDEO_PROMPT, images=video)
         right += model.generate(prompt, max_new_tokens=64, temperature=0).text.strip() == clips.describe_clip(clip)
     return right / n
@@ -520,13 +514,13 @@ def take_step(optimiser: torch.optim.Optimizer, params: list[nn.Parameter], loss
 
 def scene_loader(config: dict, args: argparse.Namespace, steps: int, offset: int, one_shape_steps: int = 0,
                  batch: int | None = None) -> torch.utils.data.DataLoader:
-    image_token_id, merge = config["image_token_id"], config["vision_config"]["spatial_merge_size"]
+    merge = config["vision_config"]["spatial_merge_size"]
     batch = args.batch if batch is None else batch
     data = SceneData(config, args.seed, steps * batch, one_shape_items=one_shape_steps * batch, offset=offset)
     # Scenes are drawn in this process between steps: a loader worker on a 2-core machine stalls the 2 compute
     # threads (measured: 0.91 s a step in-process against 1.07 s with a worker).
     return torch.utils.data.DataLoader(data, batch_size=batch, shuffle=False, num_workers=0,
-                                       collate_fn=lambda items: collate(items, image_token_id, merge))
+                                       collate_fn=lambda items: collate(items, media_ids(config), merge))
 
 
 def clip_loader(config: dict, args: argparse.Namespace) -> torch.utils.data.DataLoader:
