@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from a3b_core.demo import dataset
-from a3b_core.demo.foreign import DIAMETERS, draw_foreign, foreign_scenes, names_shapes
+from a3b_core.demo.foreign import DIAMETERS, SCORES, caption_scores, draw_foreign, foreign_scenes, main
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +40,10 @@ def test_each_shape_is_painted_at_its_centre_in_its_colour(scenes):
             assert tuple(pixels[y, x]) == shape.rgb, (scene, shape)
 
 
+def names_shapes(caption, scene):
+    return caption_scores(caption, scene)["shapes"]
+
+
 def test_a_caption_passes_only_with_exactly_the_scene_s_shapes(scenes):
     scene = next(s for s in scenes if len(s.shapes) == 2)
     first, second = scene.shapes
@@ -54,3 +58,28 @@ def test_a_caption_passes_only_with_exactly_the_scene_s_shapes(scenes):
                f"{phrase.format(second.colour, second.kind)} on a {scene.background} background"
     assert not names_shapes(invented, scene)
     assert not names_shapes("a red circle", scene)
+
+
+def test_the_parts_of_the_score_say_what_a_caption_got_wrong(scenes):
+    scene = next(s for s in scenes if len(s.shapes) == 1)
+    (shape,) = scene.shapes
+    other_kind = next(k for k in dataset.SHAPES if k != shape.kind)
+    other_colour = next(c for c in dataset.COLOURS if c not in (shape.colour, scene.background))
+    caption = "a small {} {} at the top on a " + scene.background + " background"
+    scored = {
+        caption.format(shape.colour, shape.kind): dict.fromkeys(SCORES, True),
+        caption.format(shape.colour, other_kind): dict(shapes=False, count=True, colours=True, kinds=False),
+        caption.format(other_colour, shape.kind): dict(shapes=False, count=True, colours=False, kinds=True),
+        caption.format(shape.colour, shape.kind).replace(" on a ", f" and a small {shape.colour} {shape.kind} at "
+                                                                    "the left on a "):
+            dict(shapes=False, count=False, colours=False, kinds=False),
+        "not a caption": dict.fromkeys(SCORES, False),
+    }
+    for text, want in scored.items():
+        assert caption_scores(text, scene) == want, text
+
+
+def test_the_command_prints_the_score_and_its_parts(capsys):
+    main(["--n", "4"])
+    line = capsys.readouterr().out
+    assert "of 4 foreign scenes named right" in line and all(f"{part} " in line for part in ("shapes", "colours", "kinds"))

@@ -8,7 +8,7 @@ as a new user's first picture would be. A caption passes when it names exactly t
 (no shape missed, none invented); positions and sizes are not scored, as the generator's words for them do not map
 onto free placement.
 
-    python -m a3b_core.demo.foreign [--n 240] [--model FOLDER]    # prints the accuracy
+    python -m a3b_core.demo.foreign [--n 240] [--model FOLDER]    # prints the accuracy and its parts
 """
 from __future__ import annotations
 
@@ -150,15 +150,29 @@ def foreign_scenes(n: int, seed: int = FOREIGN_SEED) -> list[ForeignScene]:
     return [random_foreign_scene(rng, "pil" if i % 2 == 0 else "opencv") for i in range(n)]
 
 
-def names_shapes(caption: str, scene: ForeignScene) -> bool:
-    """Whether the caption names exactly the scene's shapes by kind and colour."""
+# What a caption is scored on, each a share of the scenes: the pass mark ("shapes": every shape named by kind and
+# colour, none invented), and its parts, which say where captions go wrong: the number of shapes, their colours and
+# their kinds (each compared as a multiset, so a caption may get the colours right and the kinds wrong).
+SCORES = ("shapes", "count", "colours", "kinds")
+
+
+def caption_scores(caption: str, scene: ForeignScene) -> dict[str, bool]:
+    """Whether the caption names exactly the scene's shapes (kind and colour), and the parts of that: their number,
+    their colours, their kinds. A caption outside the grammar scores nothing."""
     parsed = dataset.parse_caption(caption)
     if parsed is None:
-        return False
-    return Counter((s.kind, s.colour) for s in parsed.shapes) == Counter((s.kind, s.colour) for s in scene.shapes)
+        return dict.fromkeys(SCORES, False)
+    got, want = parsed.shapes, scene.shapes
+
+    def same(*fields: str) -> bool:
+        return Counter(tuple(getattr(s, f) for f in fields) for s in got) == \
+            Counter(tuple(getattr(s, f) for f in fields) for s in want)
+    return {"shapes": same("kind", "colour"), "count": len(got) == len(want), "colours": same("colour"),
+            "kinds": same("kind")}
 
 
-def foreign_accuracy(folder: Path | str, n: int, seed: int = FOREIGN_SEED) -> float:
+def foreign_scores(folder: Path | str, n: int, seed: int = FOREIGN_SEED) -> dict[str, float]:
+    """The share of `n` foreign scenes whose greedy caption (through the engine) passes each of SCORES."""
     from ..engine import load_model
     from .train import caption_files
     scenes = foreign_scenes(n, seed)
@@ -168,7 +182,8 @@ def foreign_accuracy(folder: Path | str, n: int, seed: int = FOREIGN_SEED) -> fl
             paths.append(Path(tmp) / f"foreign_{i:04d}.png")
             draw_foreign(scene).save(paths[-1])
         captions = caption_files(load_model(folder), paths)
-    return sum(names_shapes(c, s) for c, s in zip(captions, scenes)) / n
+    scored = [caption_scores(c, s) for c, s in zip(captions, scenes)]
+    return {name: sum(s[name] for s in scored) / n for name in SCORES}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -178,8 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=FOREIGN_SEED)
     parser.add_argument("--model", type=Path, default=DEMO_DIR)
     args = parser.parse_args(argv)
-    accuracy = foreign_accuracy(args.model, args.n, args.seed)
-    print(f"{args.model.name}: {accuracy:.3f} of {args.n} foreign scenes named right (shape kinds and colours)")
+    scores = foreign_scores(args.model, args.n, args.seed)
+    print(f"{args.model.name}: {scores['shapes']:.3f} of {args.n} foreign scenes named right (shape kinds and "
+          f"colours); right number of shapes {scores['count']:.3f}, colours {scores['colours']:.3f}, "
+          f"kinds {scores['kinds']:.3f}")
 
 
 if __name__ == "__main__":
