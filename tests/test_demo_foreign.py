@@ -82,4 +82,5 @@ def test_the_parts_of_the_score_say_what_a_caption_got_wrong(scenes):
 def test_the_command_prints_the_score_and_its_parts(capsys):
     main(["--n", "4"])
     line = capsys.readouterr().out
-    assert "of 4 foreign scenes named right" in line and all(f"{part} " in line for part in ("shapes", "colours", "kinds"))
+    assert "of 4 foreign scenes named right" in line
+    assert all(f"{part} " in line for part in ("shapes", "colours", "kinds"))
