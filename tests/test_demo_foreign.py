@@ -65,13 +65,13 @@ def test_the_parts_of_the_score_say_what_a_caption_got_wrong(scenes):
     (shape,) = scene.shapes
     other_kind = next(k for k in dataset.SHAPES if k != shape.kind)
     other_colour = next(c for c in dataset.COLOURS if c not in (shape.colour, scene.background))
-    caption = "a small {} {} at the top on a " + scene.background + " background"
+    caption = f"a small {{}} {{}} at the top on {dataset.article(scene.background)} {scene.background} background"
     scored = {
         caption.format(shape.colour, shape.kind): dict.fromkeys(SCORES, True),
         caption.format(shape.colour, other_kind): dict(shapes=False, count=True, colours=True, kinds=False),
         caption.format(other_colour, shape.kind): dict(shapes=False, count=True, colours=False, kinds=True),
-        caption.format(shape.colour, shape.kind).replace(" on a ", f" and a small {shape.colour} {shape.kind} at "
-                                                                    "the left on a "):
+        caption.format(shape.colour, shape.kind).replace(" on ", f" and a small {shape.colour} {shape.kind} at the "
+                                                                    "left on "):
             dict(shapes=False, count=False, colours=False, kinds=False),
         "not a caption": dict.fromkeys(SCORES, False),
     }

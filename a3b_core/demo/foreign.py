@@ -18,6 +18,7 @@ import random
 import tempfile
 from collections import Counter
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 
 import cv2
@@ -165,8 +166,8 @@ def caption_scores(caption: str, scene: ForeignScene) -> dict[str, bool]:
     got, want = parsed.shapes, scene.shapes
 
     def same(*fields: str) -> bool:
-        return Counter(tuple(getattr(s, f) for f in fields) for s in got) == \
-            Counter(tuple(getattr(s, f) for f in fields) for s in want)
+        key = attrgetter(*fields)
+        return Counter(map(key, got)) == Counter(map(key, want))
     return {"shapes": same("kind", "colour"), "count": len(got) == len(want), "colours": same("colour"),
             "kinds": same("kind")}
 
