@@ -19,6 +19,8 @@ from .options import (DENSE_FORMATS, DEVICE_CHOICES, KV_FORMATS, PRESET_NAMES, R
                       GenerationOptions, LoadOptions)
 from .placement import GiB, format_bytes, plan_for_folder
 
+CAPTION_MAX_NEW_TOKENS = 128  # `caption`: a caption is a sentence or two
+THINKING_MAX_NEW_TOKENS = 2048  # ... and the reasoning before it, when the prompt thinks
 MODEL_HELP = f"model folder (config.json + .safetensors), or an embedded demo model: {', '.join(DEMO_MODELS)}"
 
 
@@ -47,7 +49,9 @@ def cmd_caption(args: argparse.Namespace) -> int:
     for path in args.images:
         chat = model.build_prompt(user=prompt, images=model.encode_images(path, size=args.size, resize=args.resize),
                                   thinking=args.thinking)
-        result = model.generate(chat, max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+        max_new_tokens = args.max_new_tokens or (THINKING_MAX_NEW_TOKENS if chat.prompt.thinking else
+                                                 CAPTION_MAX_NEW_TOKENS)
+        result = model.generate(chat, max_new_tokens=max_new_tokens, temperature=args.temperature, seed=args.seed)
         print(f"{path}: {result.text}")
     return 0
 
@@ -133,8 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--preset", default="auto", choices=PRESET_NAMES)
     caption.add_argument("--size", type=int, default=384, help="image side in pixels (multiple of 32)")
     caption.add_argument("--resize", default="stretch", choices=RESIZE_MODES)
-    caption.add_argument("--thinking", action="store_true", help="let the model reason before answering")
-    caption.add_argument("--max-new-tokens", type=int, default=128)
+    caption.add_argument("--thinking", action=argparse.BooleanOptionalAction, default=None,
+                         help="let the model reason before answering, or not (default: the model's own default: "
+                              "off for the demo models, on for Qwen3.5/3.6 releases)")
+    caption.add_argument("--max-new-tokens", type=int, default=0,
+                         help=f"most tokens of each answer (default: {CAPTION_MAX_NEW_TOKENS}, or "
+                              f"{THINKING_MAX_NEW_TOKENS} with thinking, which the reasoning shares)")
     caption.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default, reproducible)")
     caption.add_argument("--seed", type=int, default=0)
     caption.set_defaults(run=cmd_caption)

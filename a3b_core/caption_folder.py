@@ -526,7 +526,8 @@ def _caption_batch(model: A3BModel, job: FolderJob, request: str, prepared: list
     if readable:
         began = time.perf_counter()
         images = model.encode_patches((p.patches for p in readable), len(readable))
-        prompts = [model.build_prompt(user=request, images=images[i]) for i in range(len(readable))]
+        # a caption is one sentence or a tag list: never worth reasoning tokens, whatever the model's default
+        prompts = [model.build_prompt(user=request, images=images[i], thinking=False) for i in range(len(readable))]
         options = job.generation.as_kwargs()
         if prefix is None and job.reuse_prefix and isinstance(model, A3BModel):
             prefix = model.prefill_prefix(model.text_before_images(prompts[0]), options.get("kv_dtype"))

@@ -96,13 +96,26 @@ class FolderTemplate:
         return Prompt(tuple(tokenize(tokenizer, text, chat.image_token_counts)), chat.image_token_counts, thinking,
                       text)
 
-    def render(self, messages: list[dict], thinking: bool, add_vision_id: bool) -> str:
-        """The template's text for `messages`, ending with the generation prompt."""
+    def default_thinking(self) -> bool | None:
+        """Whether the template thinks when enable_thinking is not given (Qwen3.5/3.6's do): its generation prompt
+        for a plain request then opens a think block without closing it. None when that prompt cannot be
+        rendered."""
+        try:
+            text = self.render([{"role": "user", "content": "Hello."}], None, False)
+        except ChatTemplateError:
+            return None
+        opening = text.rpartition("<|im_start|>assistant")[2]
+        return "<think>" in opening and "</think>" not in opening
+
+    def render(self, messages: list[dict], thinking: bool | None, add_vision_id: bool) -> str:
+        """The template's text for `messages`, ending with the generation prompt; `thinking` None leaves
+        enable_thinking undefined, so the template's own default applies."""
         token = _deadline.set(time.thread_time() + RENDER_SECONDS)
+        switch = {} if thinking is None else {"enable_thinking": thinking}
         try:
             chunks, size = [], 0
             for chunk in self.template.generate(messages=messages, add_generation_prompt=True,
-                                                enable_thinking=thinking, add_vision_id=add_vision_id):
+                                                add_vision_id=add_vision_id, **switch):
                 size += len(chunk)
                 if size > MAX_TEXT:
                     raise TemplateLimitError(f"the prompt grew past {MAX_TEXT} characters")

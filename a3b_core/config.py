@@ -41,6 +41,7 @@ class ModelConfig:
     quantization: dict | None  # config.json's quantization_config, as given
     fp8_block: tuple[int, int] = (128, 128)  # quantization_config.weight_block_size
     caption_prompt: str | None = None  # a3b_caption_prompt: the request the model was trained to caption with
+    default_thinking: bool | None = None  # a3b_default_thinking: whether prompts think when the caller does not say
 
 
 def field(src: dict, key: str, where: str, *, default: Any = ..., types: type | tuple = (int,)) -> Any:
@@ -251,8 +252,8 @@ def model_config(raw: dict, where: str, stored: StoredLayers | None, is_moe: boo
                  parse_vision: Callable[[dict, str, int | None], Any], special_tokens: dict[str, int]) -> ModelConfig:
     """A config.json object parsed with a family's text and vision parsers (given the layer counts the weights hold,
     when `stored`), with what every family's config holds around those sections: the special token ids (top level,
-    or the text config; `special_tokens` gives the family's defaults), the FP8 quantization and the caption
-    request."""
+    or the text config; `special_tokens` gives the family's defaults), the FP8 quantization, the caption request and
+    the default thinking mode."""
     text, vision = sections(raw, where)
     text_config = parse_text(text, where, is_moe, raw, stored.text if stored else None)
     vision_config = parse_vision(vision, where, stored.vision if stored else None) if vision else None
@@ -261,4 +262,5 @@ def model_config(raw: dict, where: str, stored: StoredLayers | None, is_moe: boo
         model_type=raw["model_type"], text=text_config, vision=vision_config,
         **{key: token_id(raw, text, key, default, where) for key, default in special_tokens.items()},
         quantization=quant, fp8_block=block,
-        caption_prompt=field(raw, "a3b_caption_prompt", where, default=None, types=str))
+        caption_prompt=field(raw, "a3b_caption_prompt", where, default=None, types=str),
+        default_thinking=field(raw, "a3b_default_thinking", where, default=None, types=bool))

@@ -85,6 +85,18 @@ class A3BModel:
         self.dtype = dtype
         self.load_stats = load_stats
         self.chat_template = chat_template  # the folder's own, or None for the family's built-in one
+        self.default_thinking = self._default_thinking()
+
+    def _default_thinking(self) -> bool:
+        """Whether prompts think when the caller does not say: a variant's fixed mode (Qwen3-VL), else config.json's
+        a3b_default_thinking, else the chat template's own default (the folder's template rendered without
+        enable_thinking; the built-in Qwen3.5 template thinks, as Qwen's own does)."""
+        if self.fixed_thinking is not None:
+            return self.fixed_thinking
+        if self.config.default_thinking is not None:
+            return self.config.default_thinking
+        folder_default = self.chat_template.default_thinking() if self.chat_template is not None else None
+        return self.family.default_thinking if folder_default is None else folder_default
 
     @property
     def chat_template_in_use(self) -> str:
@@ -225,7 +237,10 @@ class A3BModel:
         return self.tokenizer
 
     def build_prompt(self, user: str = "", system: str | None = None, images: EncodedImages | None = None,
-                     thinking: bool = False, history: Sequence[Turn] = (), add_vision_id: bool = False) -> "ChatPrompt":
+                     thinking: bool | None = None, history: Sequence[Turn] = (),
+                     add_vision_id: bool = False) -> "ChatPrompt":
+        """The conversation as this model's chat template renders it, with the images' embeddings; `thinking` None
+        takes the model's default_thinking."""
         self.require_loaded()
         images = images if images is not None else EncodedImages([], [])
         if not isinstance(images, EncodedImages):
@@ -233,6 +248,8 @@ class A3BModel:
                               "which turns pictures into what the model reads.")
         if self.fixed_thinking is not None:  # the model's variant decides, whatever the prompt asks
             thinking = self.fixed_thinking
+        elif thinking is None:
+            thinking = self.default_thinking
         template = self.chat_template.build_prompt if self.chat_template is not None else self.family.build_prompt
         prompt = template(self.require_tokenizer(), user, system=system, image_token_counts=images.prompt_tokens,
                           thinking=thinking, history=history, add_vision_id=add_vision_id)

@@ -4,7 +4,7 @@ used through the same calls as a local A3BModel: encode_images, build_prompt, ge
 Images are resized here exactly as the local engine resizes them, then sent as PNG data URLs; a server that keeps an
 image's own size (ours, vLLM and SGLang do for Qwen3.5, within their pixel limits) then sees the pixels a local model
 would. A prompt is the conversation as chat messages (chat_messages.py); the server renders the chat template, and
-thinking travels as chat_template_kwargs.enable_thinking. Answers stream over server-sent events; generate_batch sends
+thinking travels as chat_template_kwargs.enable_thinking (left out when the prompt leaves it to the server). Answers stream over server-sent events; generate_batch sends
 its prompts as parallel requests. `should_stop` is polled while waiting, and True closes the connections, which
 cancels the generations on servers that notice a client leaving (ours, vLLM and SGLang do).
 
@@ -56,9 +56,9 @@ class RemoteImages:
 
 @dataclass(frozen=True)
 class RemoteChat:
-    """A prompt for a remote model: the chat messages and the thinking mode."""
+    """A prompt for a remote model: the chat messages and the thinking mode (None: the server's default)."""
     messages: tuple[dict, ...]
-    thinking: bool
+    thinking: bool | None
 
 
 class RemoteModel:
@@ -183,7 +183,7 @@ class RemoteModel:
 
     # ------------------------------------------------------------------------------------------- prompts
     def build_prompt(self, user: str = "", system: str | None = None, images: RemoteImages | None = None,
-                     thinking: bool = False, history: Sequence[Turn] = ()) -> RemoteChat:
+                     thinking: bool | None = None, history: Sequence[Turn] = ()) -> RemoteChat:
         images = images if images is not None else RemoteImages(())
         if not isinstance(images, RemoteImages):
             raise PromptError(f"images is a {type(images).__name__}: they were encoded by a local model. Connect the "
@@ -194,7 +194,7 @@ class RemoteModel:
             raise PromptError("the prompt is empty: the user text is blank and no image was given. Write a request in "
                               "the user text or connect an image.")
         messages = messages_from_conversation(user, system, history, images.urls)
-        return RemoteChat(tuple(messages), bool(thinking))
+        return RemoteChat(tuple(messages), None if thinking is None else bool(thinking))
 
     # ------------------------------------------------------------------------------------------- generation
     def generate(self, prompt: RemoteChat, *, on_text: Callable[[str], None] | None = None,
@@ -224,8 +224,7 @@ class RemoteModel:
                 "stream_options": {"include_usage": True}} | {k: v for k, v in sampling.items() if v is not None}
         if stops:
             body["stop"] = stops
-        bodies = [body | {"messages": list(p.messages), "chat_template_kwargs": {"enable_thinking": p.thinking}}
-                  for p in prompts]
+        bodies = [body | {"messages": list(p.messages)} | _thinking_switch(p.thinking) for p in prompts]
         return _run(self._stream_all(bodies, stops, on_text, should_stop or (lambda: False)))
 
     async def _stream_all(self, bodies: list[dict], stops: list[str], on_text: Callable[[int, str], None] | None,
@@ -274,6 +273,11 @@ class RemoteModel:
                         raise RemoteError(f"{url} failed while answering: {_error_text(event)}")
                     if answer.add(event) and on_text is not None:
                         on_text(index, answer.live_text)
+
+
+def _thinking_switch(thinking: bool | None) -> dict:
+    """The request fields that ask for thinking on or off; none when the prompt leaves it to the served model."""
+    return {} if thinking is None else {"chat_template_kwargs": {"enable_thinking": thinking}}
 
 
 class _Answer:

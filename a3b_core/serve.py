@@ -2,8 +2,9 @@
 
 Endpoints: POST /v1/chat/completions, GET /v1/models, GET /health. Requests are OpenAI chat completions: text and
 `image_url` parts (images as data URLs), `stream` as server-sent events, the reasoning in `reasoning_content` as vLLM
-and SGLang return it, `chat_template_kwargs.enable_thinking` (on unless false, as in Qwen's template), max_tokens or
-max_completion_tokens, temperature, top_p, top_k, min_p, presence_penalty, repetition_penalty, seed, stop, usage.
+and SGLang return it, `chat_template_kwargs.enable_thinking` (without it, the model's own default: off for the demo
+models, on for Qwen3.5/3.6 releases as their template says), max_tokens or max_completion_tokens, temperature, top_p,
+top_k, min_p, presence_penalty, repetition_penalty, seed, stop, usage.
 Sampler values a request leaves out take Qwen's recommendation for its thinking mode, as in A3BModel.generate.
 
 The engine is not thread-safe, so one worker thread owns the model: it takes queued requests, encodes their images,
@@ -82,8 +83,9 @@ class ChatRequest:
         return (self.thinking, self.max_tokens, self.stop, tuple(self.sampling.values()), alone)
 
 
-def parse_chat_request(body: object, model_name: str) -> ChatRequest:
-    """The body of POST /v1/chat/completions, checked field by field."""
+def parse_chat_request(body: object, model_name: str, default_thinking: bool) -> ChatRequest:
+    """The body of POST /v1/chat/completions, checked field by field; `default_thinking` is the thinking mode of a
+    request that does not set enable_thinking (the model's own default)."""
     if not isinstance(body, dict):
         raise RequestError("the request body is not a JSON object; pass an object with 'model' and 'messages'.")
     if body.get("model") != model_name:
@@ -109,7 +111,7 @@ def parse_chat_request(body: object, model_name: str) -> ChatRequest:
     except A3BError as exc:
         raise RequestError(str(exc), param="messages") from None
     kwargs = body.get("chat_template_kwargs") or {}
-    thinking = kwargs.get("enable_thinking", True) if isinstance(kwargs, dict) else None
+    thinking = kwargs.get("enable_thinking", default_thinking) if isinstance(kwargs, dict) else None
     if not isinstance(thinking, bool):
         raise RequestError("chat_template_kwargs must be an object whose enable_thinking is true or false; use "
                            "{\"enable_thinking\": false} for answers without thinking.", param="chat_template_kwargs")
@@ -420,7 +422,7 @@ class ChatServer:
             body = json.loads(await request.read())
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RequestError("the request body is not valid JSON; check how the client encodes it.") from None
-        chat = parse_chat_request(body, self.model_name)
+        chat = parse_chat_request(body, self.model_name, self.model.default_thinking)
         conversation = chat.conversation
         images = await asyncio.to_thread(lambda: [decode_image_url(url, place) for url, place in
                                                   zip(conversation.image_urls, conversation.image_places)])

@@ -13,6 +13,8 @@ from a3b_core.engine import A3BModel
 from a3b_core.errors import PromptError
 from a3b_core.prompt import Turn
 
+AUTO_THINKING = "auto"
+THINKING_MODES = {AUTO_THINKING: None, "on": True, "off": False}  # A3B Prompt's choice -> build_prompt's thinking
 SINGLE = "single"
 PER_IMAGE = "per image"
 MODES = [SINGLE, PER_IMAGE]
@@ -23,7 +25,7 @@ class PromptSpec:
     user: str
     system: str = ""
     images: Any = None  # EncodedImages from A3B Image Encode / Video Encode, or None
-    thinking: bool = False
+    thinking: bool | None = None  # None: the model's own default
     history: tuple[Turn, ...] = ()  # earlier exchanges, oldest first
     history_images: Any = None  # the EncodedImages those exchanges referred to, in order, or None
 
@@ -31,7 +33,7 @@ class PromptSpec:
     def image_count(self) -> int:
         return 0 if self.images is None else len(self.images)
 
-    def followed_by(self, user: str, system: str, images: Any, thinking: bool, answer: str) -> "PromptSpec":
+    def followed_by(self, user: str, system: str, images: Any, thinking: bool | None, answer: str) -> "PromptSpec":
         """The next prompt of a conversation whose previous prompt was `self` and whose answer was `answer`."""
         if not answer.strip():
             raise PromptError("'previous' is connected but 'previous_answer' is empty. Connect the answer output of "

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from a3b_core.errors import PromptError
 from a3b_core.options import RESIZE_MODES
 
 from . import comfy_bridge as bridge
@@ -11,7 +12,7 @@ from .generation import generate_answers, speed_line
 from .image_batch import encode_image_batch
 from .live_text import LiveText
 from .model_handle import A3BModelHandle
-from .prompt_spec import MODES, SINGLE, PromptSpec, fitted_prompts
+from .prompt_spec import AUTO_THINKING, MODES, SINGLE, THINKING_MODES, PromptSpec, fitted_prompts
 from .wires import ImagesWire, ModelWire, PromptWire
 
 CATEGORY = "A3B"
@@ -65,9 +66,11 @@ class A3BPrompt(io.ComfyNode):
                                 tooltip="The request. Write [[IMG]] where each image goes and [[VID]] where each "
                                         "video goes, one marker per item in their order (in per-image mode: one "
                                         "marker). Without markers the images and videos come first."),
-                io.Boolean.Input("thinking", default=False, label_on="on", label_off="off",
-                                 tooltip="On: the model reasons before answering (slower; the reasoning comes out "
-                                         "of Generate's 'reasoning' output). Off: it answers directly."),
+                io.Combo.Input("thinking", options=list(THINKING_MODES), default=AUTO_THINKING,
+                               tooltip="on: the model reasons before answering (slower; the reasoning comes out of "
+                                       "Generate's 'reasoning' output). off: it answers directly. auto: the model's "
+                                       "own default (off for the demo models, on for Qwen3.5/3.6 releases; a "
+                                       "Qwen3-VL model thinks or not by its variant whatever this says)."),
                 ImagesWire.Input("images", optional=True,
                                  tooltip="Images from A3B Image Encode, or clips from A3B Video Encode."),
                 PromptWire.Input("previous", optional=True,
@@ -79,12 +82,15 @@ class A3BPrompt(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, system: str, user: str, thinking: bool, images: Any = None, previous: PromptSpec | None = None,
+    def execute(cls, system: str, user: str, thinking: str, images: Any = None, previous: PromptSpec | None = None,
                 previous_answer: str = "") -> io.NodeOutput:
+        if thinking not in THINKING_MODES:
+            raise PromptError(f"thinking is {thinking!r}; choose one of {', '.join(THINKING_MODES)}.")
+        mode = THINKING_MODES[thinking]
         if previous is None:
-            spec = PromptSpec(user=user, system=system, images=images, thinking=thinking)
+            spec = PromptSpec(user=user, system=system, images=images, thinking=mode)
         else:
-            spec = previous.followed_by(user, system, images, thinking, previous_answer)
+            spec = previous.followed_by(user, system, images, mode, previous_answer)
         return io.NodeOutput(spec)
 
 

@@ -56,8 +56,8 @@ def test_greedy_with_an_image_equals_transformers(models, fixtures, name):
 
 def test_ragged_batch_equals_single_runs(model, fixtures):
     refs = fixtures.refs(fixtures.moe_hf)
-    prompts = [model.build_prompt("Describe the image in one sentence."), image_prompt(model, refs),
-               model.build_prompt("Hi", system="You are a helpful assistant.")]
+    prompts = [model.build_prompt("Describe the image in one sentence.", thinking=False), image_prompt(model, refs),
+               model.build_prompt("Hi", system="You are a helpful assistant.", thinking=False)]
     assert len({len(p.input_ids) for p in prompts}) == 3
     singles = [generate(model, p, max_new_tokens=12, temperature=0) for p in prompts]
     # a stop string met by one row only, early, so that row leaves the batch while the others go on
@@ -196,7 +196,7 @@ def test_streamed_text_ends_as_the_final_text(model, thinking):
 
 
 def test_stop_string_ends_the_answer_before_it(model):
-    prompt = model.build_prompt("Describe the image in one sentence.")
+    prompt = model.build_prompt("Describe the image in one sentence.", thinking=False)
     full = generate(model, prompt, max_new_tokens=24, temperature=0)
     stop = unique_substring(full.text, [])
     cut = generate(model, prompt, max_new_tokens=24, temperature=0, stop=["never there", stop])

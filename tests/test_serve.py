@@ -136,11 +136,19 @@ def test_thinking_comes_back_as_reasoning_content(client, demo):
     assert local.reasoning and message.reasoning_content == local.reasoning and message.content == local.text
     content, reasoning, _, _ = streamed(client, REQUEST, PIXEL_IMAGES[2:3], thinking=True)
     assert (reasoning, content) == (local.reasoning, local.text)
-    # without chat_template_kwargs the template's default holds: thinking on
-    default = client.chat.completions.create(model=MODEL, messages=[user_message(REQUEST, PIXEL_IMAGES[2:3])],
-                                             max_tokens=200, temperature=0)
-    assert default.choices[0].message.reasoning_content == local.reasoning
     assert ask(client, REQUEST, PIXEL_IMAGES[2:3]).choices[0].message.reasoning_content is None
+
+
+def test_a_request_without_enable_thinking_takes_the_model_folders_default(client, demo):
+    # the demo folders' config.json says a3b_default_thinking false: a plain OpenAI request gets the caption
+    assert demo.default_thinking is False
+    for image in PIXEL_IMAGES:
+        default = client.chat.completions.create(model=MODEL, messages=[user_message(REQUEST, [image])],
+                                                 max_tokens=200, temperature=0).choices[0].message
+        assert default.reasoning_content is None
+        assert default.content == local_answer(demo, REQUEST, [image]).text
+    heart = client.chat.completions.create(model=MODEL, messages=[user_message(REQUEST, PIXEL_IMAGES[:1])])
+    assert "heart" in heart.choices[0].message.content
 
 
 def test_a_seed_gives_the_same_sampled_answer_and_other_seeds_differ(client, demo):

@@ -106,7 +106,7 @@ def test_video_prompt_matches_reference(family, frames, fps, size):
     ref = oracle.run([{"type": "video"}, {"type": "text", "text": "What happens in this clip?"}], pixels, fps)
     video = model.encode_video(torch.from_numpy(pixels), frame_rate=FRAME_RATE, fps=fps)
     assert video.grids == [tuple(ref["video_grid_thw"][0].tolist())]
-    prompt = model.build_prompt(user="What happens in this clip?", images=video)
+    prompt = model.build_prompt(user="What happens in this clip?", images=video, thinking=False)
     assert_matches(model, video, prompt.input_ids, ref)
 
 
@@ -120,7 +120,7 @@ def test_image_and_video_in_one_prompt_match_reference(family, fixtures):
     ref = oracle.run(content, pixels, 2.0, images=[image])
     media = model.encode_images(fixtures.wide_image, resize="native") + \
         model.encode_video(torch.from_numpy(pixels), frame_rate=FRAME_RATE, fps=2.0)
-    prompt = model.build_prompt(user="[[IMG]] then [[VID]]: what changed?", images=media)
+    prompt = model.build_prompt(user="[[IMG]] then [[VID]]: what changed?", images=media, thinking=False)
     assert_matches(model, media, prompt.input_ids, ref)
 
 

@@ -33,6 +33,8 @@ class Family:
     build_prompt: Callable[..., Any]  # the chat template: text, images and turns -> token ids
     # a model folder -> whether its model always thinks (True), never does (False), or as each prompt asks (None)
     fixed_thinking: Callable[[Path], bool | None]
+    # whether the built-in template thinks when a prompt does not say (for models that think as asked)
+    default_thinking: bool
     positions: Callable[..., tuple[torch.Tensor, int]]  # one prompt's rotary positions and rope delta
     new_cache: Callable[..., Any]  # a generation cache for a batch
     classify: Callable[[str], tuple[str, int | None]]  # a tensor name -> (planner group, text layer)

@@ -136,7 +136,7 @@ def test_the_thinking_budget_stops_the_reasoning_and_an_answer_follows(comfy: Co
     budget, max_new_tokens = 4, 256
     (workflow,) = [path for path in UI_WORKFLOWS if path.stem == "comic_storyboard"]
     report = run_frontend(comfy, tmp_path, "run",
-                          {"A3BModelLoader": {"model": "a3b-demo"}, "A3BPrompt": {"thinking": True},
+                          {"A3BModelLoader": {"model": "a3b-demo"}, "A3BPrompt": {"thinking": "on"},
                            "A3BGenerate": {"thinking_budget": budget, "max_new_tokens": max_new_tokens}},
                           previews=[["A3BGenerate", 1]], workflows=[workflow])
     (entry,) = report["workflows"]

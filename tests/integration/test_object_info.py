@@ -93,6 +93,13 @@ def test_generate_defaults_are_qwens_non_thinking_settings(object_info: dict) ->
     assert info["input"]["hidden"] == {"unique_id": ["UNIQUE_ID"]}
 
 
+
+def test_prompt_thinking_is_the_models_own_default_unless_chosen(object_info: dict) -> None:
+    thinking = _inputs(object_info["A3BPrompt"])["thinking"][1]
+    assert (thinking["options"], thinking["default"]) == (["auto", "on", "off"], "auto")
+    assert "default" in thinking["tooltip"]
+
+
 def test_every_sampler_widget_value_is_one_the_engine_accepts(object_info: dict) -> None:
     """Each widget's ends are accepted, and the engine's ranges are intervals (temperature: 0, then from 0.01, below
     the widget's 0.05 step), so every value a widget can take is accepted."""

@@ -16,6 +16,7 @@ FAMILY = Family(
     name="Qwen3-VL", model_types=tuple(MODEL_TYPES), parse_config=parse_config, describe=describe,
     stored_layers=stored_layers, text_model=TextModel, vision_tower=VisionTower, load_text=load_text_model,
     place_text=place_text_model, vision_prefixes=VISION_PREFIXES, vision_probe=VISION_PROBE,
-    build_prompt=build_prompt, fixed_thinking=always_thinks, positions=positions, new_cache=new_cache,
+    build_prompt=build_prompt, fixed_thinking=always_thinks,
+    default_thinking=False, positions=positions, new_cache=new_cache,
     classify=classify, expert_layout=expert_layout, kv_bytes=kv_bytes, state_bytes=state_bytes, state_part="",
     prefill_chunk=prefill_chunk)
