@@ -39,7 +39,7 @@ class Turn:
     """One earlier exchange of a conversation."""
     user: str
     assistant: str
-    reasoning: str = ""  # dropped when re-rendering history, as the official template does
+    reasoning: str = ""  # the built-in templates drop it when re-rendering history; a folder's template may write it
     num_images: int = 0  # images and videos the user text of that turn referenced; their tokens are in the history
 
 
@@ -108,7 +108,8 @@ def conversation(tokenizer: Tokenizer, user: str, *, system: str | None = None,
     texts = [(user, "user text"), (system or "", "system message")]
     for number, turn in enumerate(history, start=1):
         texts += [(turn.user, f"history turn {number} user text"),
-                  (turn.assistant, f"history turn {number} assistant text")]
+                  (turn.assistant, f"history turn {number} assistant text"),
+                  (turn.reasoning, f"history turn {number} reasoning")]
     for text, where in texts:
         _check_text(text, where, tokenizer.control_tokens)
     if not user.strip() and user_images == 0:
