@@ -3,6 +3,10 @@
 `preprocess` is that path for one image and `preprocess_images` for a batch; the engine encodes every image through
 them, so their options (resize mode, ICC conversion, background) are the ones that act.
 
+Image files (paths or their bytes) are opened only by `open_image`: Pillow restricted to OPEN_FORMATS, whose decoders
+run in-process (never EPS, for which Pillow starts Ghostscript), the size read from the header and checked before any
+pixel is decoded. `load_resized` decodes a file no larger than its resize needs (JPEG's DCT scaling, Image.reduce).
+
 The patch step reproduces the model's image processor (Qwen2VLImageProcessor with the release's
 preprocessor_config.json) bit for bit: smart_resize to multiples of 32, PIL bicubic resize on uint8, x/255 in float64
 then float32, (x - mean) / std, block-major patches with the single frame duplicated to temporal_patch_size.
@@ -20,16 +24,25 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, ImageCms, ImageOps, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageCms, ImageOps, UnidentifiedImageError
 
 from .errors import ImageError
 from .options import RESIZE_MODES
 
 MAX_INPUT_PIXELS = 8192 * 8192 * 2  # decompression-bomb guard for decoded inputs
+# Pillow formats an image file may be in: each decoded in-process by Pillow or the libraries it bundles. EPS is not
+# one (Pillow runs Ghostscript for it), nor any other format whose plugin may start a program.
+OPEN_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF", "PPM", "TGA")
+# Modes Image.reduce averages correctly (not palette indices, nor a mode with a transparent key colour).
+_REDUCIBLE_MODES = ("L", "LA", "RGB", "RGBA", "CMYK", "I", "F")
+_SWAPPING_ORIENTATIONS = (5, 6, 7, 8)  # EXIF orientations that turn the image by 90 degrees
 # The real preprocessor_config.json: size.shortest_edge / size.longest_edge (pixel counts, not edges).
 PROCESSOR_MIN_PIXELS = 256 * 256
 PROCESSOR_MAX_PIXELS = 4096 * 4096
 MAX_ASPECT_RATIO = 200
+# Image files of more pixels than the model ever takes are decoded shrunk (see load_resized); smaller ones are decoded
+# whole, so their pixels are exactly the image processor's.
+SHRINK_ABOVE_PIXELS = PROCESSOR_MAX_PIXELS
 WHITE = (255, 255, 255)
 
 _SRGB_PROFILE = ImageCms.ImageCmsProfile(ImageCms.createProfile("sRGB"))
@@ -42,6 +55,8 @@ def _describe(src: Any) -> str:
     """A short name for an input, for error messages."""
     if isinstance(src, (str, os.PathLike)):
         return f"image file '{os.fspath(src)}'"
+    if isinstance(src, (bytes, bytearray)):
+        return f"image data of {len(src):,} bytes"
     if isinstance(src, Image.Image):
         return f"PIL image (mode {src.mode}, {src.width}x{src.height})"
     if isinstance(src, (np.ndarray, torch.Tensor)):
@@ -67,30 +82,65 @@ def _decode_pixels(img: Image.Image, name: str) -> None:
         raise ImageError(f"{name} is truncated or corrupt ({e}); re-export or re-download the file.") from e
 
 
-def _open_file(path: str | os.PathLike, name: str) -> Image.Image:
-    """Open and fully decode a file (frame 0 for animations); the caller closes it."""
-    if not os.path.isfile(path):
+def open_image(src: str | os.PathLike | bytes, name: str) -> Image.Image:
+    """An image file (a path, or the file's bytes) opened lazily: its format one of OPEN_FORMATS and its size, read
+    from the header, within MAX_INPUT_PIXELS. No pixel is decoded yet; the caller closes it."""
+    if not isinstance(src, (bytes, bytearray)) and not os.path.isfile(src):  # a FIFO or device would block the read
         raise ImageError(f"{name} does not exist or is not a file; check the path.")
     try:
         # Our own MAX_INPUT_PIXELS guard replaces PIL's warning; PIL's hard error above 2x its limit is kept.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(path)
+            img = Image.open(io.BytesIO(src) if isinstance(src, (bytes, bytearray)) else src, formats=OPEN_FORMATS)
     except Image.DecompressionBombError as e:
         raise ImageError(
             f"{name} has more pixels than the limit of {MAX_INPUT_PIXELS:,} ({e}); downscale it before loading."
         ) from e
     except UnidentifiedImageError as e:
-        raise ImageError(f"{name} is not an image format PIL can decode; save it as PNG or JPEG.") from e
+        raise ImageError(f"{name} is not an image in a format the pack reads ({', '.join(OPEN_FORMATS)}); save it "
+                         "as PNG or JPEG.") from e
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise ImageError(f"{name} cannot be read ({e}); check the file and its permissions.") from e
     with contextlib.ExitStack() as close_on_error:
         close_on_error.callback(img.close)
         _check_pixel_count(img.width, img.height, name)
-        img.seek(0)
-        _decode_pixels(img, name)
         close_on_error.pop_all()
     return img
+
+
+def _decode(img: Image.Image, name: str, shrink: tuple[int, str, int] | None) -> tuple[Image.Image, tuple[int, int]]:
+    """An opened file's first frame decoded and turned upright (EXIF orientation), and its upright size before any
+    shrinking. With `shrink` (size, mode, max_pixels: the resize_image call to follow) it is shrunk by the largest
+    whole factor that keeps at least the pixels that resize makes along each side: a JPEG while it is decoded (its
+    DCT scaling), then any image by Image.reduce."""
+    width, height = img.size
+    img.seek(0)
+    if shrink is not None and (factor := _shrink_factor(width, height, *shrink)) > 1:
+        img.draft(img.mode, (-(-width // factor), -(-height // factor)))  # only JPEG's decoder acts on it
+    _decode_pixels(img, name)
+    upright = (height, width) if img.getexif().get(ExifTags.Base.Orientation) in _SWAPPING_ORIENTATIONS \
+        else (width, height)
+    ImageOps.exif_transpose(img, in_place=True)
+    if shrink is None or (factor := _shrink_factor(img.width, img.height, *shrink)) == 1:
+        return img, upright
+    if img.mode == "1":
+        img = img.convert("L")  # one byte per pixel either way, and reducible
+    if img.mode not in _REDUCIBLE_MODES or "transparency" in img.info:
+        img = _working_mode(img, name)
+    return img.reduce(factor), upright
+
+
+def _shrink_factor(width: int, height: int, size: int, mode: str, max_pixels: int) -> int:
+    """The largest whole factor an image of width x height may shrink by before resize_image(size, mode, max_pixels)
+    and keep at least the pixels that resize makes along each side. The same for either orientation."""
+    if mode == "native":
+        kept_width, kept_height = native_size(width, height, max_pixels)
+        ratio = min(width / kept_width, height / kept_height)
+    elif mode == "letterbox":  # the longer side fits `size`
+        ratio = max(width, height) / size
+    else:  # stretch and crop: both sides cover `size`
+        ratio = min(width, height) / size
+    return max(1, int(ratio))
 
 
 def _array_to_pil(arr: np.ndarray, name: str) -> Image.Image:
@@ -112,8 +162,11 @@ def _array_to_pil(arr: np.ndarray, name: str) -> Image.Image:
     elif np.issubdtype(arr.dtype, np.floating):
         if not np.isfinite(arr).all():
             raise ImageError(f"{name} contains NaN or infinite values; give finite values in 0..1.")
-        # Round (not truncate) so that k/255 floats from ComfyUI come back as exactly k.
-        pixels = np.round(np.clip(arr.astype(np.float32), 0.0, 1.0) * 255.0).astype(np.uint8)
+        # One float32 copy, scaled in place (the array may be a view of the caller's batch). Round (not truncate) so
+        # that k/255 floats from ComfyUI come back as exactly k.
+        scaled = np.clip(arr, 0.0, 1.0, out=np.empty(arr.shape, np.float32))
+        scaled *= 255.0
+        pixels = np.round(scaled, out=scaled).astype(np.uint8)
     else:
         raise ImageError(f"{name} has an unsupported dtype; use uint8, uint16, bool or float in 0..1.")
     return Image.fromarray(np.ascontiguousarray(pixels))
@@ -149,16 +202,18 @@ def _to_srgb(img: Image.Image, icc: bytes | None, name: str) -> Image.Image:
         return img
 
 
-def _normalise(img: Image.Image, background: tuple[int, int, int], srgb: bool, name: str) -> Image.Image:
-    icc = img.info.get("icc_profile")
-    img = ImageOps.exif_transpose(img)
-    img = _working_mode(img, name)
+def _normalise(given: Image.Image, icc: bytes | None, background: tuple[int, int, int], srgb: bool,
+               name: str) -> Image.Image:
+    """An upright image in any mode -> a new 8-bit RGB image, converted to sRGB from `icc` (its embedded profile) when
+    `srgb`. Each step makes at most one new image (they can be large)."""
+    img = _working_mode(given, name)
     if srgb:
         img = _to_srgb(img, icc, name)
     if img.mode == "RGBA":
         backdrop = Image.new("RGBA", img.size, (*background, 255))
-        img = Image.alpha_composite(backdrop, img)
-    return img.convert("RGB")
+        backdrop.alpha_composite(img)
+        img = backdrop
+    return img.convert("RGB") if img is given or img.mode != "RGB" else img
 
 
 def _check_background(background: Any) -> None:
@@ -172,24 +227,47 @@ def load_image(src: Any, *, background: tuple[int, int, int] = WHITE, srgb: bool
     """Any supported input -> 8-bit RGB PIL image (EXIF orientation applied, alpha over `background`), converted to
     sRGB from its embedded ICC profile when `srgb` (else the stored values are taken as sRGB).
 
-    `src`: a file path, a PIL image, a numpy array (HxW or HxWx1/3/4; uint8, uint16, bool or float 0..1) or a torch
-    tensor [H,W,C] (float 0..1 or uint8). Animated files give their first frame (a PIL image: its current frame).
+    `src`: an image file (its path, or its bytes), a PIL image, a numpy array (HxW or HxWx1/3/4; uint8, uint16, bool or
+    float 0..1) or a torch tensor [H,W,C] (float 0..1 or uint8). Animated files give their first frame (a PIL image:
+    its current frame).
     """
     _check_background(background)
     name = _describe(src)
-    if isinstance(src, (str, os.PathLike)):
-        with _open_file(src, name) as img:
-            return _normalise(img, background, srgb, name)
+    if isinstance(src, (str, os.PathLike, bytes, bytearray)):
+        with open_image(src, name) as img:
+            icc = img.info.get("icc_profile")
+            return _normalise(_decode(img, name, None)[0], icc, background, srgb, name)
     if isinstance(src, Image.Image):
         _check_pixel_count(src.width, src.height, name)
         _decode_pixels(src, name)
-        return _normalise(src, background, srgb, name)
+        return _normalise(ImageOps.exif_transpose(src), src.info.get("icc_profile"), background, srgb, name)
     if isinstance(src, torch.Tensor):
         tensor = src.detach().cpu()
         src = tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
     if isinstance(src, np.ndarray):
-        return _normalise(_array_to_pil(src, name), background, srgb, name)
+        return _normalise(_array_to_pil(src, name), None, background, srgb, name)
     raise ImageError(f"{name} is not an image; give a file path, PIL image, numpy array or torch tensor.")
+
+
+def load_resized(src: Any, size: int = 384, mode: str = "stretch", max_pixels: int = PROCESSOR_MAX_PIXELS, *,
+                 background: tuple[int, int, int] = WHITE, srgb: bool = True) -> Image.Image:
+    """resize_image(load_image(src), size, mode, max_pixels=max_pixels), except that an image file of more than
+    SHRINK_ABOVE_PIXELS pixels is decoded shrunk to no less than the resize makes (see _decode), so such a file is
+    never converted at full size, and a JPEG never even decoded at full size. "native" keeps the size the whole image
+    would get."""
+    _check_resize(size, mode)
+    if not isinstance(src, (str, os.PathLike, bytes, bytearray)):
+        return resize_image(load_image(src, background=background, srgb=srgb), size, mode, max_pixels=max_pixels)
+    _check_background(background)
+    name = _describe(src)
+    with open_image(src, name) as img:
+        icc = img.info.get("icc_profile")
+        huge = img.width * img.height > SHRINK_ABOVE_PIXELS
+        decoded, upright = _decode(img, name, (size, mode, max_pixels) if huge else None)
+        rgb = _normalise(decoded, icc, background, srgb, name)
+    if mode == "native":
+        return rgb.resize(native_size(*upright, max_pixels), Image.Resampling.BICUBIC)
+    return resize_image(rgb, size, mode)
 
 
 def split_batch(images: Any) -> list[Any]:
@@ -235,17 +313,17 @@ def smart_resize(
     return h_bar, w_bar
 
 
-def resize_image(
-    img: Image.Image, size: int = 384, mode: str = "stretch", fill: tuple[int, int, int] = (0, 0, 0),
-    max_pixels: int = PROCESSOR_MAX_PIXELS
-) -> Image.Image:
-    """Resize with PIL bicubic: stretch to size x size, letterbox (fit and pad with `fill`), crop (cover and
-    centre-crop) or native (smart_resize of the original size within `max_pixels`; `size` is ignored)."""
+def native_size(width: int, height: int, max_pixels: int = PROCESSOR_MAX_PIXELS) -> tuple[int, int]:
+    """(width, height) resize mode "native" gives an image of width x height: smart_resize within `max_pixels`."""
+    kept_height, kept_width = smart_resize(height, width, max_pixels=min(max_pixels, PROCESSOR_MAX_PIXELS))
+    return kept_width, kept_height
+
+
+def _check_resize(size: int, mode: str) -> None:
     if mode not in RESIZE_MODES:
         raise ImageError(f"Unknown resize mode {mode!r}; use one of {', '.join(RESIZE_MODES)}.")
     if mode == "native":
-        height, width = smart_resize(img.height, img.width, max_pixels=min(max_pixels, PROCESSOR_MAX_PIXELS))
-        return img.resize((width, height), Image.Resampling.BICUBIC)
+        return
     if not isinstance(size, int) or size <= 0 or size % 32:
         lower = max(32, size // 32 * 32) if isinstance(size, int) else 384
         raise ImageError(f"Image size {size!r} is not a positive multiple of 32; use e.g. {lower} or {lower + 32}.")
@@ -253,6 +331,17 @@ def resize_image(
     if size > largest:
         raise ImageError(f"Image size {size} is above the model's limit of {largest}x{largest} pixels; use {largest} "
                          "or less (384 is 144 tokens per image).")
+
+
+def resize_image(
+    img: Image.Image, size: int = 384, mode: str = "stretch", fill: tuple[int, int, int] = (0, 0, 0),
+    max_pixels: int = PROCESSOR_MAX_PIXELS
+) -> Image.Image:
+    """Resize with PIL bicubic: stretch to size x size, letterbox (fit and pad with `fill`), crop (cover and
+    centre-crop) or native (smart_resize of the original size within `max_pixels`; `size` is ignored)."""
+    _check_resize(size, mode)
+    if mode == "native":
+        return img.resize(native_size(img.width, img.height, max_pixels), Image.Resampling.BICUBIC)
     if mode == "stretch":
         return img.resize((size, size), Image.Resampling.BICUBIC)
     if mode == "letterbox":
@@ -304,10 +393,9 @@ def preprocess(
     merge_size: int = 2,
     max_pixels: int = PROCESSOR_MAX_PIXELS,
 ) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """One image -> (pixel_values, grid): load_image -> resize_image -> to_patches."""
-    img = load_image(src, background=background, srgb=srgb)
-    return to_patches(resize_image(img, size, mode, max_pixels=max_pixels), patch_size, temporal_patch_size,
-                      merge_size)
+    """One image -> (pixel_values, grid): load_resized -> to_patches."""
+    img = load_resized(src, size, mode, max_pixels, background=background, srgb=srgb)
+    return to_patches(img, patch_size, temporal_patch_size, merge_size)
 
 
 def preprocess_images(

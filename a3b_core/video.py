@@ -98,10 +98,14 @@ def as_uint8_frames(frames: Any, name: str) -> torch.Tensor:
                          f"{MAX_CLIP_PIXELS:,}; trim the clip or lower its resolution before loading it.")
     frames = frames.detach().cpu()
     if frames.is_floating_point():
-        if not bool(torch.isfinite(frames).all()):
-            raise VideoError(f"{name} contains NaN or infinite values; give finite values in 0..1.")
-        # Round (not truncate) so that k/255 floats from ComfyUI come back as exactly k.
-        frames = (frames.float().clamp(0, 1) * 255).round().to(torch.uint8)
+        # A frame at a time: the clip may be a whole ComfyUI IMAGE batch, which float copies would multiply.
+        converted = torch.empty(frames.shape, dtype=torch.uint8)
+        for frame, out in zip(frames, converted):
+            if not bool(torch.isfinite(frame).all()):
+                raise VideoError(f"{name} contains NaN or infinite values; give finite values in 0..1.")
+            # Round (not truncate) so that k/255 floats from ComfyUI come back as exactly k.
+            out.copy_(frame.float().clamp(0, 1).mul_(255).round_())
+        frames = converted
     elif frames.dtype != torch.uint8:
         raise VideoError(f"{name} has dtype {frames.dtype}; use uint8 or float in 0..1.")
     if frames.shape[-1] == 1:

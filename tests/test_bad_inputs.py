@@ -23,7 +23,6 @@ import struct
 import time
 import tracemalloc
 import zipfile
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ from a3b_core.checkpoint import PICKLE_SUFFIXES, read_header
 from a3b_core.models import parse_config
 from a3b_core.image import resize_image
 from a3b_core.prompt import Prompt
+from tests.hostile_inputs import EPS, png_header_only
 from tests.test_image import prophoto_rgb_icc
 
 # An instruction the user can follow. "download" alone is too loose ("The download is incomplete" tells nobody what
@@ -150,14 +150,6 @@ def huge_integer_in_header(path: Path) -> None:
 
 def huge_integer_in_json(path: Path) -> None:
     path.write_text(with_huge_integer(path.read_text()))
-
-
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG whose header claims width x height: cheap on disk, huge if decoded."""
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
 
 
 def shapes_image() -> Image.Image:
@@ -669,7 +661,10 @@ IMAGE_CASES = [
     Bad("image-path-is-a-folder", encode(lambda folder: folder), ImageError, ("is not a file",)),
     Bad("image-text-instead-of-path", encode(lambda _: "Describe this picture"), ImageError,
         ("Describe this picture",)),
-    Bad("image-raw-bytes", encode(lambda _: png_header_only(8, 8)), ImageError, ("bytes",)),
+    Bad("image-bytes-not-an-image", encode(lambda _: b"plain text, not a picture"), ImageError,
+        ("image data of 25 bytes", "PNG or JPEG")),
+    Bad("image-postscript-named-png", encode(write("drawing.png", EPS)), ImageError,
+        ("drawing.png", "not an image in a format the pack reads")),
     Bad("image-none", encode(lambda _: None), ImageError, ("NoneType",)),
     Bad("image-on-text-only-model", encode_on_text_model, ImageError, ("moe_text", "vision")),
     Bad("image-size-above-processor-limit", lambda ws: lambda: resize_image(shapes_image(), 4128), ImageError,

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import io
 import struct
-import zlib
+import subprocess
+import sys
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -20,7 +22,10 @@ from a3b_core.errors import ImageError
 from a3b_core.image import (
     MAX_INPUT_PIXELS,
     RESIZE_MODES,
+    SHRINK_ABOVE_PIXELS,
     load_image,
+    load_resized,
+    native_size,
     preprocess,
     preprocess_images,
     resize_image,
@@ -28,6 +33,7 @@ from a3b_core.image import (
     split_batch,
     to_patches,
 )
+from tests.hostile_inputs import EPS, REPO, child_peak_growth, fake_ghostscript, png_header_only
 
 
 def noise_image(width: int, height: int, seed: int = 0) -> Image.Image:
@@ -477,16 +483,6 @@ def test_bad_resize_arguments():
 # ---------------------------------------------------------------- bad input
 
 
-def png_header_only(width: int, height: int) -> bytes:
-    """A PNG whose IHDR claims width x height (1-bit grey) with a tiny IDAT: cheap to write, huge if decoded."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
-
-    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64)) + chunk(b"IEND", b"")
-
-
 @pytest.mark.parametrize("side", [12000, 20000])  # above our limit; also above PIL's own hard limit
 def test_image_over_max_input_pixels(tmp_path, side):
     assert side * side > MAX_INPUT_PIXELS
@@ -559,3 +555,110 @@ def test_batch_error_names_the_image():
 def test_extreme_aspect_ratio_in_native_mode():
     with pytest.raises(ImageError, match="aspect ratio"):
         resize_image(Image.new("RGB", (2010, 10)), mode="native")
+
+
+# ---------------------------------------------------------------- hostile files and bounded decoding
+
+
+def test_postscript_is_refused_and_no_program_runs(tmp_path):
+    """EPS bytes, in a file named .png or given as bytes, are not in a format the pack reads; Pillow's EPS plugin
+    would run Ghostscript. Checked in a child process whose PATH finds a stand-in gs first (Pillow looks for gs
+    once per process), which leaves a marker if anything runs it."""
+    env, marker = fake_ghostscript(tmp_path)
+    path = tmp_path / "drawing.png"
+    path.write_bytes(EPS)
+    script = f"""
+from pathlib import Path
+from a3b_core.errors import ImageError
+from a3b_core.image import load_image, load_resized
+path = Path({str(path)!r})
+for load in (lambda: load_image(path), lambda: load_image(path.read_bytes()), lambda: load_resized(path)):
+    try:
+        load()
+    except ImageError as exc:
+        print(exc)
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    refusals = done.stdout.splitlines()
+    assert len(refusals) == 3 and all("not an image in a format the pack reads" in line for line in refusals)
+    assert str(path) in refusals[0] and f"image data of {len(EPS)} bytes" in refusals[1] and "PNG or JPEG" in refusals[2]
+    assert not marker.exists()
+
+
+def test_image_bytes_load_as_their_file_does(tmp_path):
+    path = tmp_path / "photo.jpg"
+    noise_image(64, 48).save(path, quality=90)
+    assert np.array_equal(pixels(load_image(path.read_bytes())), pixels(load_image(path)))
+
+
+@pytest.mark.parametrize(("mode", "size"), [("stretch", 384), ("letterbox", 256), ("crop", 416), ("native", 384)])
+def test_an_image_the_model_takes_whole_is_decoded_whole(tmp_path, mode, size):
+    """Below SHRINK_ABOVE_PIXELS, load_resized is exactly resize_image of load_image (the processor's pixels)."""
+    path = tmp_path / "photo.jpg"
+    noise_image(2000, 1500).save(path, quality=90)
+    assert 2000 * 1500 <= SHRINK_ABOVE_PIXELS
+    assert np.array_equal(pixels(load_resized(path, size, mode)), pixels(resize_image(load_image(path), size, mode)))
+
+
+def test_a_huge_turned_file_gets_the_size_and_orientation_the_whole_image_would_get(tmp_path):
+    """A 9000x3000 JPEG (above SHRINK_ABOVE_PIXELS) stored sideways (EXIF orientation 6) is shrunk while decoding,
+    and still comes out upright at the native size of the whole upright image."""
+    img = Image.new("RGB", (9000, 3000), (255, 0, 0))
+    img.paste((0, 0, 255), (4500, 0, 9000, 3000))  # stored: left red, right blue
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "sideways.jpg"
+    img.save(path, quality=90, exif=exif)
+    assert 9000 * 3000 > SHRINK_ABOVE_PIXELS
+    loaded = load_resized(path, mode="native")
+    assert loaded.size == native_size(3000, 9000) == resize_image(load_image(path), mode="native").size
+    top, bottom = pixels(loaded)[10, 10], pixels(loaded)[-10, 10]
+    assert top[0] > 240 > top[2] and bottom[2] > 240 > bottom[0]  # the stored left edge is on top
+
+
+def test_a_huge_jpeg_is_decoded_at_a_fraction_of_its_size():
+    """An 8000x8000 JPEG resized to 384x384 is scaled down while it is decoded (by 8, JPEG's DCT scaling): loading it
+    raises a child process's peak memory by far less than its 192 MB of RGB pixels."""
+    full = 8000 * 8000 * 3
+    growth = child_peak_growth("""
+import io
+from PIL import Image
+from a3b_core.image import load_resized
+data = io.BytesIO()
+Image.new("RGB", (8000, 8000), (200, 30, 30)).save(data, format="JPEG")
+data = data.getvalue()
+# measure
+assert load_resized(data, 384, "stretch").size == (384, 384)
+""")
+    assert growth < full / 8, f"loading grew the peak by {growth / 2**20:.0f} MiB"
+
+
+def test_a_float_image_of_a_comfyui_batch_is_converted_with_one_float_copy():
+    """ComfyUI's IMAGE is float32 [B, H, W, C]; each image becomes 8-bit with one float copy of that image at a time
+    (tracemalloc sees numpy's buffers), never copies of the batch."""
+    batch = torch.rand(4, 512, 512, 3)
+    one_image = 512 * 512 * 3 * 4
+    tracemalloc.start()
+    try:
+        load_image(split_batch(batch)[0])
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.6 * one_image, f"peak {peak / one_image:.2f} images"
+
+
+def test_float_video_frames_are_converted_a_frame_at_a_time():
+    """Frames from ComfyUI (float32 [T, H, W, C], 96 MiB here) become uint8 without float copies of the whole clip:
+    the child process's peak grows by little more than the uint8 result (a quarter of the floats, where whole-clip
+    float copies would add twice the floats)."""
+    floats = 32 * 512 * 512 * 3 * 4
+    growth = child_peak_growth("""
+import torch
+from a3b_core.video import as_uint8_frames
+frames = torch.rand(32, 512, 512, 3)
+# measure
+assert as_uint8_frames(frames, "clip").dtype == torch.uint8
+""")
+    assert growth < 0.6 * floats, f"converting grew the peak by {growth / 2**20:.0f} MiB"
