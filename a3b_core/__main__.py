@@ -108,7 +108,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = LoadOptions(preset=args.preset, weight_format=args.weight_format, dense_format=args.dense_format,
                           kv_cache=args.kv_cache, max_context=args.max_context, device=args.device)
-    run(args.model, options, args.host, args.port, args.api_key_env, args.max_batch_size)
+    run(args.model, options, args.host, args.port, args.api_key_env, args.max_batch_size, args.allow_origin)
     return 0
 
 
@@ -211,6 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="name of the environment variable holding the API key clients must send")
     serve.add_argument("--max-batch-size", type=int, default=32,
                        help="most requests decoded together (default: 32; 1 decodes one request at a time)")
+    serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                       help="a web page origin (e.g. http://localhost:3000) whose pages may send requests and read "
+                            "the answers; repeat it for several (default: none, web pages are refused)")
     serve.set_defaults(run=cmd_serve)
     return parser
 

@@ -7,45 +7,69 @@ models, on for Qwen3.5/3.6 releases as their template says), max_tokens or max_c
 top_k, min_p, presence_penalty, repetition_penalty, seed, stop, usage.
 Sampler values a request leaves out take Qwen's recommendation for its thinking mode, as in A3BModel.generate.
 
-The engine is not thread-safe, so one worker thread owns the model: it takes queued requests, encodes their images,
-builds their prompts and decodes the requests that can share one sampler as one batch (same thinking mode, sampler
-values, max_tokens and stop strings); the others wait for a later batch. A sampled request with its own seed runs
-alone, so a seed gives the same answer however busy the server is. The event loop parses requests and streams the
-text out. A client that disconnects cancels its request: a waiting request is dropped, and a batch stops within one
-token once every client of it is gone (the engine stops a batch as a whole, so a batch that still has other clients
-finishes, without sending the gone client's text anywhere).
+A request is prepared before it is queued, on one of PREPARE_THREADS threads, so that one request's preparation never
+holds up other clients' answers: its JSON is parsed, then the cheap bounds are checked before anything costly (at most
+MAX_IMAGES_PER_REQUEST images, their sizes read from their headers and at most MAX_REQUEST_PIXELS in all, and a lower
+bound of the prompt's tokens from the text's length and the images' sizes against the context); only then are its
+images decoded, one at a time, each straight down to the size the vision tower takes (resize "native"), and its
+prompt built and measured. Decoded images wait for the worker within MAX_HELD_PIXELS for all requests together (a
+request that would pass it waits before decoding).
+
+The engine is not thread-safe, so one worker thread owns the model: it runs the vision tower on queued requests'
+images and decodes the requests that can share one sampler as one batch (same thinking mode, sampler values,
+max_tokens and stop strings); the others wait for a later batch. A sampled request with its own seed runs alone, so a
+seed gives the same answer however busy the server is. The event loop reads requests and streams the text out. A
+client that disconnects cancels its request: a waiting request is dropped, and a batch stops within one token once
+every client of it is gone (the engine stops a batch as a whole, so a batch that still has other clients finishes,
+without sending the gone client's text anywhere).
+
+A server without an API key (it listens on this machine only) answers only requests addressed to this machine (a
+loopback Host), and refuses any request that a web page of another origin sends (its Origin header), unless that
+origin was allowed with --allow-origin; every POST must be `Content-Type: application/json`, which a web page cannot
+send to another origin without the server's consent.
 """
 from __future__ import annotations
 
 import asyncio
 import base64
 import binascii
+import contextlib
 import hmac
-import io
 import ipaddress
 import json
 import logging
+import math
 import os
 import secrets
 import signal
 import threading
 import time
-import warnings
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 from aiohttp import web
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
-from . import (A3BError, A3BModel, ChatPrompt, ConfigError, GenerationResult, ImageError, load_image, load_model,
+from . import (A3BError, A3BModel, ChatPrompt, ConfigError, EncodedImages, GenerationResult, ImageError, load_model,
                split_reasoning)
 from .chat_messages import Conversation, conversation_from_messages
+from .image import load_resized, native_size, open_image, smart_resize
 from .options import SAMPLER_FIELDS, LoadOptions
 
 log = logging.getLogger("a3b.serve")
 
 MAX_BODY_BYTES = 32 * 2**20  # a request with several large PNG images fits; anything bigger is refused (413)
+MAX_IMAGES_PER_REQUEST = 64  # a 30-view multi-angle request fits twice over
+MAX_REQUEST_PIXELS = 2**28  # a request's images in all, as their headers give them: 64 images of 4 MP
+MAX_HELD_PIXELS = 2**29  # decoded images all requests hold at once (native size, ~1.5 GiB as RGB); more waits
+PREPARE_THREADS = 2  # requests prepared (parsed, checked, images decoded, prompt built) at once, beside the worker
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # characters of one stop string
+IDLE_TIMEOUT_S = 15  # a connection without a whole request header this long after opening or its last answer is closed
+BODY_TIMEOUT_S = 120  # seconds a request body may take to arrive once its header has
 DEFAULT_MAX_TOKENS = 4096  # for requests without max_tokens, cut to what the context has left
 THINK_TAGS = ("<think>", "</think>")
 FINISH_REASONS = {"eos": "stop", "stop_string": "stop", "max_new_tokens": "length", "cancelled": "stop"}
@@ -132,6 +156,10 @@ def parse_chat_request(body: object, model_name: str, default_thinking: bool) ->
         else (None,)
     if not all(isinstance(s, str) for s in stops):
         raise RequestError(f"stop is {stop!r}; use a string or a list of strings.", param="stop")
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise RequestError(f"stop holds {len(stops)} strings of up to {max(map(len, stops))} characters; use at most "
+                           f"{MAX_STOP_STRINGS} stop strings of at most {MAX_STOP_CHARS} characters each.",
+                           param="stop")
     stream = body.get("stream", False)
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict):
@@ -145,9 +173,9 @@ def _not_integer(value: object) -> bool:
     return isinstance(value, bool) or not isinstance(value, int)
 
 
-def decode_image_url(url: str, where: str) -> Image.Image:
-    """A data URL (data:image/...;base64,...) -> an 8-bit sRGB RGB image. The server fetches nothing, so other URLs
-    are refused."""
+def image_data(url: str, where: str) -> bytes:
+    """The image file's bytes in a data URL (data:image/...;base64,...). The server fetches nothing, so other URLs are
+    refused."""
     header, comma, data = url.partition(",")
     if not header.startswith("data:") or not comma:
         raise RequestError(f"{where} is not a data URL. Put the image inline as data:image/png;base64,... (this "
@@ -157,23 +185,32 @@ def decode_image_url(url: str, where: str) -> Image.Image:
         raise RequestError(f"{where}: the data URL is not base64-encoded; encode it as data:image/png;base64,<base64>.",
                            param="messages")
     try:
-        raw = base64.b64decode(data, validate=True)
+        return base64.b64decode(data, validate=True)
     except (binascii.Error, ValueError):
         raise RequestError(f"{where}: the data URL's payload is not valid base64. Encode the image file's bytes with "
                            "standard base64 (A-Z, a-z, 0-9, +, /, = padding).", param="messages") from None
+
+
+@contextlib.contextmanager
+def image_at(where: str) -> Iterator[None]:
+    """An ImageError raised inside, as the request's error naming the image's place in the messages."""
     try:
-        with warnings.catch_warnings():  # load_image applies the pack's own pixel limit
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            image = Image.open(io.BytesIO(raw))
-        return load_image(image)
-    except UnidentifiedImageError:
-        raise RequestError(f"{where}: the data URL does not hold an image PIL can decode; encode a PNG or JPEG "
-                           "file's bytes.", param="messages") from None
-    except (Image.DecompressionBombError, OSError, SyntaxError, ValueError) as exc:
-        raise RequestError(f"{where}: the image cannot be read ({exc}); check the file and encode it again.",
-                           param="messages") from None
+        yield
     except ImageError as exc:
         raise RequestError(f"{where}: {exc}", param="messages") from None
+
+
+def image_size(data: bytes, where: str) -> tuple[int, int]:
+    """(width, height) from an image file's header, without decoding it (image.open_image's checks)."""
+    with image_at(where), open_image(data, "the data URL") as image:
+        return image.size
+
+
+def decode_image_url(url: str, where: str) -> Image.Image:
+    """A data URL's image as 8-bit sRGB RGB, already at the size resize "native" gives it (decoded no larger than
+    that needs: image.load_resized)."""
+    with image_at(where):
+        return load_resized(image_data(url, where), mode="native")
 
 
 # ------------------------------------------------------------------------------------------------ streaming
@@ -182,12 +219,18 @@ class AnswerStream:
     final reasoning and answer.
 
     Only text that later tokens cannot change is sent: nothing from a stop string on (the answer ends before it),
-    and no trailing piece that may still become a stop string or a think tag."""
+    and no trailing piece that may still become a stop string or a think tag. The output only grows, so each update
+    searches only where a tag or stop string may have begun since the last one: the work an update does for them
+    does not grow with the answer."""
 
     def __init__(self, thinking: bool, stops: tuple[str, ...]):
         self.thinking = thinking
         self.stops = stops
         self.sent = {"reasoning_content": "", "content": ""}
+        self._answer_from: int | None = None if thinking else 0  # where stop strings count: after the think block
+        self._searched = {"think": 0, "stop": 0}  # no think close, no stop string starts before these
+        self._stop_at: int | None = None
+        self._held_from = 0  # no tail of the text from before here can still become a tag or stop string
 
     def update(self, live_text: str) -> dict[str, str]:
         """`live_text`: the whole output so far as on_text gives it (in thinking mode it opens with <think>)."""
@@ -206,37 +249,49 @@ class AnswerStream:
         return delta
 
     def _settled(self, text: str) -> str:
-        # Stop strings are matched in the answer only: after the think block in thinking mode, anywhere otherwise.
-        close = text.find(THINK_TAGS[1])
-        answer_from = 0 if not self.thinking else None if close == -1 else close + len(THINK_TAGS[1])
-        held = list(THINK_TAGS)
-        if answer_from is not None:
-            hits = [hit for hit in (text.find(stop, answer_from) for stop in self.stops) if hit != -1]
-            if hits:
-                return text[:min(hits)]
+        if self._answer_from is None:
+            close = self._find(text, (THINK_TAGS[1],), "think", 0)
+            if close is not None:
+                self._answer_from, self._held_from = close + len(THINK_TAGS[1]), 0  # stop strings are held from now
+        held = THINK_TAGS
+        if self._answer_from is not None:
+            if self._stop_at is None:
+                self._stop_at = self._find(text, self.stops, "stop", self._answer_from)
+            if self._stop_at is not None:
+                return text[:self._stop_at]
             held += self.stops
-        keep = len(text)
-        for word in held:
-            for size in range(min(len(word) - 1, len(text)), 0, -1):
-                if text.endswith(word[:size]):
-                    keep = min(keep, len(text) - size)
-                    break
+        longest = max(map(len, held))
+        keep = max(self._held_from, len(text) - longest + 1)
+        while keep < len(text) and not any(len(word) > len(text) - keep and word.startswith(text[keep:])
+                                           for word in held):
+            keep += 1
+        self._held_from = keep
         return text[:keep]
+
+    def _find(self, text: str, words: tuple[str, ...], kind: str, start: int) -> int | None:
+        """Where the first of `words` starts in `text` from `start`, searching only what the last search of `kind`
+        could not have seen whole."""
+        if not words:
+            return None
+        begin = max(start, self._searched[kind])
+        hits = [hit for hit in (text.find(word, begin) for word in words) if hit != -1]
+        self._searched[kind] = max(begin, len(text) - max(map(len, words)) + 1)
+        return min(hits) if hits else None
 
 
 # ------------------------------------------------------------------------------------------------ the worker
 @dataclass(eq=False)
 class Job:
-    """One request on its way through the worker. The worker reports to the request's handler through `events`:
-    ("text", whole text so far), then ("done", GenerationResult) or ("error", A3BError)."""
+    """One prepared request on its way through the worker. The worker reports to the request's handler through
+    `events`: ("text", whole text so far), then ("done", GenerationResult) or ("error", A3BError)."""
     request: ChatRequest
-    images: list[Image.Image]
+    images: list[Image.Image]  # decoded at the size the vision tower takes; dropped once it has run
+    prompt: ChatPrompt  # built with stand_ins for the images, which the worker replaces with their embeddings
+    max_new_tokens: int
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     key: tuple = field(init=False)
-    prompt: ChatPrompt | None = None
-    max_new_tokens: int = 0
 
     def __post_init__(self):
         self.key = self.request.batch_key()
@@ -309,7 +364,7 @@ class Worker:
         ready = []
         for job in batch:
             try:
-                self._prepare(job)
+                self._encode(job)
                 ready.append(job)
             except A3BError as exc:
                 job.send("error", exc)
@@ -334,26 +389,13 @@ class Worker:
                      " (client gone)" if job.cancelled.is_set() else "")
             job.send("done", result)
 
-    def _prepare(self, job: Job) -> None:
-        """Encodes the job's images, builds its prompt and checks that prompt and answer fit the context."""
-        conversation = job.request.conversation
-        images = None
-        if job.images:  # decoded and converted to sRGB when the request arrived
-            images = self.model.encode_images(job.images, resize="native", srgb=False)
-        job.prompt = self.model.build_prompt(user=conversation.user, system=conversation.system, images=images,
-                                             thinking=job.request.thinking, history=conversation.history)
-        prompt_tokens, context = len(job.prompt.input_ids), self.model.max_context
-        left = context - prompt_tokens
-        wanted = job.request.max_tokens
-        if wanted is None and left >= 1:
-            job.max_new_tokens = min(DEFAULT_MAX_TOKENS, left)
-        elif wanted is not None and wanted <= left:
-            job.max_new_tokens = wanted
-        else:
-            asked = f" and max_tokens is {wanted}" if wanted is not None else ""
-            raise RequestError(f"the prompt has {prompt_tokens} tokens{asked}, but the model's context holds "
-                               f"{context} tokens (prompt and answer). Shorten the messages, send fewer or smaller "
-                               "images, or lower max_tokens.", param="messages", code="context_length_exceeded")
+    def _encode(self, job: Job) -> None:
+        """The vision tower on the job's images; their embeddings take the stand-ins' place in its prompt."""
+        if not job.images:
+            return
+        encoded = self.model.encode_images(job.images, resize="native", srgb=False)  # already sRGB, at that size
+        job.images = []
+        job.prompt = ChatPrompt(job.prompt.prompt, encoded)  # generation checks that their token counts agree
 
 
 # ------------------------------------------------------------------------------------------------ HTTP
@@ -370,31 +412,73 @@ def error_response(exc: A3BError) -> web.Response:
     return web.json_response(body, status=status)
 
 
-class ChatServer:
-    """The aiohttp application around one model and its worker."""
+class PixelBudget:
+    """Decoded image pixels that all requests hold at once, at most `limit`: a request waits for room before it decodes
+    its images, and gives its share back when it ends. Used from the event loop only."""
 
-    def __init__(self, model: A3BModel, model_name: str, api_key: str | None, max_batch_size: int):
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.held = 0
+        self._waiting: set[asyncio.Future] = set()
+
+    @contextlib.asynccontextmanager
+    async def holding(self, pixels: int) -> AsyncIterator[None]:
+        while self.held + pixels > self.limit:
+            room = asyncio.get_running_loop().create_future()
+            self._waiting.add(room)
+            try:
+                await room
+            finally:
+                self._waiting.discard(room)
+        self.held += pixels
+        try:
+            yield
+        finally:
+            self.held -= pixels
+            for room in self._waiting:
+                if not room.done():
+                    room.set_result(None)
+
+
+class ChatServer:
+    """The aiohttp application around one model, its worker and the threads that prepare requests."""
+
+    def __init__(self, model: A3BModel, model_name: str, api_key: str | None, max_batch_size: int,
+                 allowed_origins: tuple[str, ...] = ()):
         self.model = model
         self.model_name = model_name
         self.api_key = api_key
+        self.allowed_origins = allowed_origins
+        # A lower bound of a text's tokens: no token of this vocabulary spells more characters than its longest entry
+        # (a byte-level entry has one character per byte, and a byte is at most one character).
+        self.max_token_chars = max(map(len, model.require_tokenizer().backend.get_vocab(with_added_tokens=True)))
         self.worker = Worker(model, max_batch_size)
+        self.preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="a3b-serve-prepare")
+        self.budget = PixelBudget(MAX_HELD_PIXELS)
         self.created = int(time.time())
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._guard])
         self.app.router.add_post("/v1/chat/completions", self.chat_completions)
         self.app.router.add_get("/v1/models", self.models)
         self.app.router.add_get("/health", self.health)
-        self.app.on_cleanup.append(lambda _app: asyncio.to_thread(self.worker.close))
+        self.app.on_response_prepare.append(self._allow_origin)
+        self.app.on_cleanup.append(lambda _app: asyncio.to_thread(self.close))
 
+    def close(self) -> None:
+        self.preparer.shutdown(cancel_futures=True)
+        self.worker.close()
+
+    # -------------------------------------------------------------------------------------------- who may ask
     @web.middleware
     async def _guard(self, request: web.Request, handler: Callable) -> web.StreamResponse:
-        """API key check and errors as OpenAI error objects."""
-        if self.api_key is not None and request.path.startswith("/v1/"):
-            given = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
-                return error_response(RequestError("missing or wrong API key: set the header 'Authorization: "
-                                                   "Bearer <key>' with the key the server was started with.",
-                                                   status=401, code="invalid_api_key"))
+        """Who may ask (Origin, Host, API key, Content-Type), and every error as an OpenAI error object."""
         try:
+            refusal = self._refusal(request)
+            if refusal is not None:
+                return error_response(refusal)
+            if request.method == "OPTIONS":  # a browser asking whether an allowed origin may send its request
+                return web.Response(status=204, headers={"Access-Control-Allow-Methods": "GET, POST",
+                                                         "Access-Control-Allow-Headers": "Authorization, Content-Type",
+                                                         "Access-Control-Max-Age": "600"})
             return await handler(request)
         except A3BError as exc:
             return error_response(exc)
@@ -407,10 +491,49 @@ class ChatServer:
             return error_response(RequestError(f"{request.method} {request.path}: {exc.reason}. Use POST "
                                                "/v1/chat/completions, GET /v1/models or GET /health.",
                                                status=exc.status))
+        except Exception as exc:  # a bug: the client still gets an error object, the log the traceback
+            log.exception("%s %s failed", request.method, request.path)
+            return error_response(RequestError(f"the server failed ({type(exc).__name__}); check its log.",
+                                               status=500, kind="server_error"))
 
+    def _refusal(self, request: web.Request) -> RequestError | None:
+        """Why the server will not answer `request`, or None."""
+        origin = request.headers.get("Origin")
+        if origin is not None and origin not in self.allowed_origins and origin != f"http://{request.host}":
+            return RequestError(f"requests from the web page origin {origin!r} are refused, so that no web page can "
+                                f"drive this server. To allow that origin, pass --allow-origin {origin} when starting "
+                                "the server.", status=403, code="origin_not_allowed")
+        if self.api_key is None and not is_loopback(host_name(request.host)):
+            return RequestError(f"the request is addressed to {request.host!r}, not to this machine: a server without "
+                                "an API key answers only requests to localhost or a loopback address. Use "
+                                "http://127.0.0.1:<port>/v1.", status=403, code="host_not_allowed")
+        if request.method == "OPTIONS":
+            return None if origin in self.allowed_origins else RequestError(
+                f"OPTIONS {request.path}: only web pages of origins allowed with --allow-origin may ask this server "
+                "for permission; pass --allow-origin ORIGIN when starting the server to allow one.", status=403,
+                code="origin_not_allowed")
+        if self.api_key is not None and request.path.startswith("/v1/"):
+            given = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(given, f"Bearer {self.api_key}".encode()):
+                return RequestError("missing or wrong API key: set the header 'Authorization: Bearer <key>' with the "
+                                    "key the server was started with.", status=401, code="invalid_api_key")
+        if request.method == "POST" and request.content_type != "application/json":
+            return RequestError(f"the request body is sent as {request.content_type!r}; send JSON, and set the header "
+                                "'Content-Type: application/json'.", status=415)
+        return None
+
+    async def _allow_origin(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Lets the web page of an allowed origin read the answer."""
+        origin = request.headers.get("Origin")
+        if origin in self.allowed_origins:
+            response.headers["Access-Control-Allow-Origin"] = origin
+            response.headers["Vary"] = "Origin"
+
+    # -------------------------------------------------------------------------------------------- endpoints
     async def health(self, _request: web.Request) -> web.Response:
         return web.json_response({"status": "ok", "model": self.model_name, "running": self.worker.running,
-                                  "waiting": self.worker.waiting, "largest_batch": self.worker.largest_batch})
+                                  "waiting": self.worker.waiting, "largest_batch": self.worker.largest_batch,
+                                  "held_pixels": self.budget.held})
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
@@ -419,19 +542,100 @@ class ChatServer:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = json.loads(await request.read())
+            raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise RequestError(f"the request body did not arrive within {BODY_TIMEOUT_S} s of its header; check the "
+                               "connection, or use fewer or smaller images.", status=408) from None
+        loop = asyncio.get_running_loop()
+        chat, pixels = await loop.run_in_executor(self.preparer, self.checked, raw)
+        async with self.budget.holding(pixels):
+            images, prompt, max_new_tokens = await loop.run_in_executor(self.preparer, self.prepared, chat)
+            job = Job(chat, images, prompt, max_new_tokens, loop)
+            self.worker.submit(job)
+            try:
+                return await self._answer(request, job)
+            finally:
+                job.cancelled.set()  # a client gone before the end (the handler is cancelled) stops its generation
+
+    # -------------------------------------------------------------------------------------------- preparing
+    def checked(self, raw: bytes) -> tuple[ChatRequest, int]:
+        """The request in a body, and the pixels its images will hold once decoded; refused when a bound that costs
+        no decoding fails: image count and pixels (from the images' headers), or prompt tokens that, by a lower
+        bound from the text's length and the images' sizes, leave no room for the answer."""
+        try:
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RequestError("the request body is not valid JSON; check how the client encodes it.") from None
+        except RecursionError:
+            raise RequestError("the request body nests JSON arrays or objects too deeply to read; write the "
+                               "messages as the OpenAI API describes them.") from None
         chat = parse_chat_request(body, self.model_name, self.model.default_thinking)
         conversation = chat.conversation
-        images = await asyncio.to_thread(lambda: [decode_image_url(url, place) for url, place in
-                                                  zip(conversation.image_urls, conversation.image_places)])
-        job = Job(chat, images, asyncio.get_running_loop())
-        self.worker.submit(job)
-        try:
-            return await self._answer(request, job)
-        finally:
-            job.cancelled.set()  # a client gone before the end (the handler is cancelled) stops its generation
+        if len(conversation.image_urls) > MAX_IMAGES_PER_REQUEST:
+            raise RequestError(f"the messages hold {len(conversation.image_urls)} images; use at most "
+                               f"{MAX_IMAGES_PER_REQUEST} per request.", param="messages")
+        if conversation.image_urls:
+            self.model.require_vision()
+        pixels = held = image_tokens = 0
+        for url, where in zip(conversation.image_urls, conversation.image_places):
+            width, height = image_size(image_data(url, where), where)
+            pixels += width * height
+            if pixels > MAX_REQUEST_PIXELS:
+                raise RequestError(f"{where}: the images up to this one have {pixels:,} pixels; a request's images "
+                                   f"may have at most {MAX_REQUEST_PIXELS:,} in all. Use fewer images, or "
+                                   "downscale them first.",
+                                   param="messages")
+            with image_at(where):
+                kept_width, kept_height = native_size(width, height)
+            held += kept_width * kept_height
+            image_tokens += self.image_tokens(kept_width, kept_height)
+        texts = [conversation.system, conversation.user] + [text for turn in conversation.history
+                                                            for text in (turn.user, turn.assistant)]
+        text_tokens = math.ceil(sum(map(len, texts)) / self.max_token_chars)
+        self.answer_room(text_tokens + image_tokens, chat.max_tokens, at_least=True)
+        return chat, held
+
+    def prepared(self, chat: ChatRequest) -> tuple[list[Image.Image], ChatPrompt, int]:
+        """A checked request's images, decoded one at a time at the size the vision tower takes, its prompt (with
+        stand-ins for the images' embeddings) and the tokens its answer may have."""
+        conversation = chat.conversation
+        images = [decode_image_url(url, where) for url, where in zip(conversation.image_urls,
+                                                                     conversation.image_places)]
+        prompt = self.model.build_prompt(user=conversation.user, system=conversation.system,
+                                         images=self.stand_ins(images), thinking=chat.thinking,
+                                         history=conversation.history)
+        return images, prompt, self.answer_room(len(prompt.input_ids), chat.max_tokens)
+
+    def image_tokens(self, width: int, height: int) -> int:
+        """LM tokens of a native-size image of width x height (image.native_size's)."""
+        _, grid_height, grid_width = self._grid(width, height)
+        return grid_height * grid_width // self.model.config.vision.spatial_merge_size ** 2
+
+    def _grid(self, width: int, height: int) -> tuple[int, int, int]:
+        """The vision tower's patch grid of a native-size image of width x height (image.to_patches' grid)."""
+        vision = self.model.config.vision
+        grid_height, grid_width = smart_resize(height, width, vision.patch_size * vision.spatial_merge_size)
+        return 1, grid_height // vision.patch_size, grid_width // vision.patch_size
+
+    def stand_ins(self, images: list[Image.Image]) -> EncodedImages:
+        """What build_prompt needs of images before the vision tower has run: their token counts (empty rows)."""
+        return EncodedImages([torch.empty(self.image_tokens(*image.size), 0) for image in images],
+                             [self._grid(*image.size) for image in images])
+
+    def answer_room(self, prompt_tokens: int, wanted: int | None, at_least: bool = False) -> int:
+        """The tokens an answer may have after a prompt of `prompt_tokens` (`at_least`: a lower bound) when the
+        request asks for `wanted` (None: DEFAULT_MAX_TOKENS, within what the context has left)."""
+        context = self.model.max_context
+        left = context - prompt_tokens
+        if wanted is None and left >= 1:
+            return min(DEFAULT_MAX_TOKENS, left)
+        if wanted is not None and wanted <= left:
+            return wanted
+        asked = f" and max_tokens is {wanted}" if wanted is not None else ""
+        raise RequestError(f"the prompt has {'at least ' if at_least else ''}{prompt_tokens} tokens{asked}, but the "
+                           f"model's context holds {context} tokens (prompt and answer). Shorten the messages, send "
+                           "fewer or smaller images, or lower max_tokens.", param="messages",
+                           code="context_length_exceeded")
 
     async def _answer(self, request: web.Request, job: Job) -> web.StreamResponse:
         completion_id, created = f"chatcmpl-{secrets.token_hex(12)}", int(time.time())
@@ -510,6 +714,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def host_name(host: str) -> str:
+    """The name or address in a Host header (host, host:port, [IPv6]:port), without its port."""
+    name = host.rpartition("]")[0][1:] if host.startswith("[") else host.partition(":")[0]
+    return name.lower()
+
+
 def api_key_from_env(variable: str | None, host: str) -> str | None:
     """The key clients must send, read from the environment variable named `variable`. A server reachable from
     other machines (any host but a loopback address) refuses to start without one."""
@@ -527,23 +737,36 @@ def api_key_from_env(variable: str | None, host: str) -> str | None:
     return None
 
 
+def checked_origins(origins: list[str]) -> tuple[str, ...]:
+    """--allow-origin values: each a web origin, scheme://host[:port] as a browser sends it in Origin."""
+    for origin in origins:
+        scheme, _, address = origin.partition("://")
+        if scheme not in ("http", "https") or not host_name(address) or any(mark in address for mark in "/?#@"):
+            raise ConfigError(f"--allow-origin {origin!r} is not a web origin; give it as a browser writes it, "
+                              "scheme://host[:port] with nothing after, e.g. http://localhost:3000.")
+    return tuple(origins)
+
+
 def run(model_path: str, options: LoadOptions, host: str, port: int, api_key_env: str | None,
-        max_batch_size: int) -> None:
+        max_batch_size: int, allow_origins: list[str] = ()) -> None:
     """Loads the model and serves it until SIGINT or SIGTERM. Everything the command line gives is checked first."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a port number; use 1 to 65535 (or 0 for a free one).")
     if max_batch_size < 1:
         raise ConfigError(f"--max-batch-size is {max_batch_size}; it must be at least 1.")
     api_key = api_key_from_env(api_key_env, host)
+    origins = checked_origins(list(allow_origins))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     log.info("loading %s (preset %s, device %s)", model_path, options.preset, options.device)
     model = load_model(model_path, **options.as_kwargs())
-    server = ChatServer(model, Path(model_path).name, api_key, max_batch_size)
+    server = ChatServer(model, Path(model_path).name, api_key, max_batch_size, origins)
     asyncio.run(_serve(server, host, port))
 
 
 async def _serve(server: ChatServer, host: str, port: int) -> None:
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+    # keepalive_timeout closes a connection that has sent no whole request header within it, from its opening or
+    # from its last answer (aiohttp starts that timer when the connection opens).
+    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None, keepalive_timeout=IDLE_TIMEOUT_S)
     await runner.setup()
     try:
         site = web.TCPSite(runner, host, port)

@@ -1,24 +1,36 @@
 """`python -m a3b_core serve` on the demo model, driven by the official openai client: plain and streamed answers,
-images, thinking, seeds, concurrent streams decoded as batches, cancellation, errors, the API key and the host rule.
-The answers are checked against the local engine's own for the same request."""
+images, thinking, seeds, concurrent streams decoded as batches, cancellation, errors, the API key and the host rule;
+and hostile requests (huge or many images, PostScript, megabytes of text, foreign origins, stalled connections), whose
+refusals are measured by what the server process does. The answers are checked against the local engine's own for
+the same request."""
 from __future__ import annotations
 
 import base64
+import http.client
+import io
+import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
 import pytest
+from PIL import Image
 
 from a3b_core import GenerationResult, load_model
-from a3b_core.serve import AnswerStream
+from a3b_core.serve import (IDLE_TIMEOUT_S, MAX_IMAGES_PER_REQUEST, MAX_REQUEST_PIXELS, MAX_STOP_CHARS,
+                            MAX_STOP_STRINGS, AnswerStream, RequestError, parse_chat_request)
+from tests.hostile_inputs import EPS, blank_png, cpu_seconds, fake_ghostscript, memory_kib, reset_peak
 from tests.integration.pixel_art_inputs import INPUTS, expected_captions
 from tests.served import REPO, Served, start_served
 from tests.test_bad_inputs import FIX
@@ -28,11 +40,18 @@ REQUEST = "Describe the image."  # what the demo model was trained to answer
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 PIXEL_IMAGES = sorted(INPUTS.glob("a3b_pixel_*.png"))
 VIEW_IMAGES = sorted(INPUTS.parent.glob("a3b_view_*.png"))  # the multi-view workflow's inputs
+ALLOWED_ORIGIN = "http://localhost:3000"  # the module's server is started with --allow-origin for it
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory) -> Served:
-    server = start_served(tmp_path_factory.mktemp("serve"))
+def ghostscript(tmp_path_factory) -> tuple[dict[str, str], Path]:
+    """The environment the module's server runs in (a stand-in gs first on its PATH) and the marker gs leaves."""
+    return fake_ghostscript(tmp_path_factory.mktemp("gs"))
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, ghostscript) -> Served:
+    server = start_served(tmp_path_factory.mktemp("serve"), "--allow-origin", ALLOWED_ORIGIN, env=ghostscript[0])
     yield server
     server.stop()
 
@@ -47,8 +66,9 @@ def demo():
     return load_model(MODEL)
 
 
-def data_url(path: Path) -> str:
-    return "data:image/png;base64," + base64.b64encode(path.read_bytes()).decode()
+def data_url(path: Path | bytes) -> str:
+    data = path if isinstance(path, bytes) else path.read_bytes()
+    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 def user_message(text: str, images: list[Path] = ()) -> dict:
@@ -219,7 +239,7 @@ def _image_message(url: str) -> list[dict]:
 
 @pytest.mark.parametrize("url, words", [
     ("data:image/png;base64,@@not*base64@@", "not valid base64"),
-    ("data:image/png;base64," + base64.b64encode(b"plain text, not a picture").decode(), "does not hold an image"),
+    ("data:image/png;base64," + base64.b64encode(b"plain text, not a picture").decode(), "not an image in a format"),
     ("https://example.com/cat.png", "not a data URL"),
 ], ids=["bad-base64", "not-an-image", "http-url"])
 def test_bad_images_are_refused_and_the_server_goes_on(client, url, words):
@@ -332,10 +352,167 @@ def test_a_network_address_without_an_api_key_refuses_to_start():
     assert "needs an API key" in done.stderr and "--api-key-env" in done.stderr, done.stderr
 
 
+def test_an_allow_origin_that_is_not_an_origin_refuses_to_start():
+    done = _serve_command("--allow-origin", "localhost:3000/app")
+    assert done.returncode == 2 and "'localhost:3000/app' is not a web origin" in done.stderr, done.stderr
+
+
 def test_an_api_key_variable_that_is_not_set_refuses_to_start():
     env = {k: v for k, v in os.environ.items() if k != "A3B_UNSET_KEY"}
     done = _serve_command("--api-key-env", "A3B_UNSET_KEY", env=env)
     assert done.returncode == 2 and "A3B_UNSET_KEY is not set" in done.stderr, done.stderr
+
+
+# ------------------------------------------------------------------------------------------------ hostile requests
+def _images_message(urls: list[str], text: str = REQUEST) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}} for url in urls]
+             + [{"type": "text", "text": text}]}]
+
+
+HUGE_PNG = blank_png(11500, 11500)  # 16 KB of file, 132 million pixels
+TINY_PNG = blank_png(1, 1)
+HOSTILE = {  # what a hostile client sends, and what its refusal says
+    "sixty-huge-images": (_images_message([data_url(HUGE_PNG)] * 60), f"at most {MAX_REQUEST_PIXELS:,} in all"),
+    "ten-thousand-images": (_images_message([data_url(TINY_PNG)] * 10_000),
+                            f"use at most {MAX_IMAGES_PER_REQUEST} per request"),
+    "eight-megabytes-of-text": ([user_message("tell me " * 2**20)], "the prompt has at least"),
+    "postscript-image": (_images_message([data_url(EPS)]), "not an image in a format the pack reads"),
+}
+
+
+def test_refusals_of_hostile_requests_never_wait_for_another_clients_answer(served, client, ghostscript):
+    """Each hostile request is refused with an OpenAI 400 while another client's long answer is still being
+    generated: the cheap bounds are checked before anything costly, off the worker. That answer's client leaves only
+    afterwards, and the log shows it cancelled short of its 3000 tokens; a refusal that waited for the worker would
+    have come after all 3000. No program ran for the PostScript image."""
+    log_before = len(served.log_text())
+    stream = ask(client, REQUEST, stream=True, max_tokens=3000, presence_penalty=-100)
+    for _, _chunk in zip(range(5), stream):
+        pass
+    for name, (messages, words) in HOSTILE.items():
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+        assert words in info.value.body["message"] and FIX.search(info.value.body["message"]), (name, info.value.body)
+    stream.close()
+    served.wait_idle()
+    cancelled = re.findall(r"(\d+) new tokens, cancelled, batch of 1 \(client gone\)", served.log_text()[log_before:])
+    assert len(cancelled) == 1 and int(cancelled[0]) < 3000, served.log_text()[log_before:]
+    assert not ghostscript[1].exists()
+    _still_serving(client)
+
+
+def test_sixty_huge_images_are_refused_from_their_headers(served, client):
+    """60 copies of a 16 KB PNG of 11500x11500 pixels (2.4 MB of JSON): refused before any is decoded. The server's
+    peak memory grows by less than one of them decoded would take (132 MB at one byte per pixel), and it spends less
+    CPU time on the whole request than this process spends decoding one."""
+    started = time.process_time()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+        with Image.open(io.BytesIO(HUGE_PNG)) as image:
+            image.load()
+    one_decode = time.process_time() - started
+    served.wait_idle()
+    pid = served.process.pid
+    rss_before, cpu_before = memory_kib(pid)["VmRSS"], cpu_seconds(pid)
+    reset_peak(pid)
+    messages, words = HOSTILE["sixty-huge-images"]
+    with pytest.raises(openai.BadRequestError, match=words):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8)
+    grown = (memory_kib(pid)["VmHWM"] - rss_before) * 1024
+    assert grown < 11500 * 11500 / 4, f"the server's peak grew by {grown / 2**20:.0f} MiB"
+    assert cpu_seconds(pid) - cpu_before < one_decode, (cpu_seconds(pid) - cpu_before, one_decode)
+    _still_serving(client)
+
+
+def test_megabytes_of_text_are_refused_without_tokenizing_them(served, client, demo):
+    """8 MiB of text cannot fit a 4096-token context whatever it says: refused by the lower bound from its length,
+    with less CPU time than this process spends tokenizing it and a peak that grows by a few copies of it."""
+    (message,), words = HOSTILE["eight-megabytes-of-text"]
+    started = time.process_time()
+    demo.tokenizer.encode(message["content"])
+    tokenizing = time.process_time() - started
+    served.wait_idle()
+    pid = served.process.pid
+    rss_before, cpu_before = memory_kib(pid)["VmRSS"], cpu_seconds(pid)
+    reset_peak(pid)
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[message], max_tokens=8)
+    assert info.value.body["code"] == "context_length_exceeded" and words in info.value.body["message"]
+    grown = (memory_kib(pid)["VmHWM"] - rss_before) * 1024
+    assert grown < 8 * len(message["content"]), f"the server's peak grew by {grown / 2**20:.0f} MiB"
+    assert cpu_seconds(pid) - cpu_before < tokenizing, (cpu_seconds(pid) - cpu_before, tokenizing)
+
+
+def test_a_thirty_view_request_is_answered_and_its_pixels_given_back(served, client):
+    """30 views (the multi-angle workflow's three, ten times) pass every bound and are answered; once idle, the
+    server holds no decoded pixels."""
+    views = (VIEW_IMAGES * 10)[:30]
+    answer = client.chat.completions.create(model=MODEL, messages=_images_message([data_url(p) for p in views]),
+                                            max_tokens=16, temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.usage.prompt_tokens > 30 * 36
+    assert served.wait_idle()["held_pixels"] == 0
+
+
+def test_thirty_four_megapixel_views_pass_the_image_bounds_and_meet_the_models_context(client):
+    """30 views of 2048x2048 are within the image bounds; on the demo model's 4096-token context they are refused
+    for the context alone (by the lower bound, before any is decoded)."""
+    views = [data_url(blank_png(2048, 2048))] * 30
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=_images_message(views), max_tokens=8)
+    assert info.value.body["code"] == "context_length_exceeded" and "at least" in info.value.body["message"]
+
+
+def _raw(served: Served, method: str, path: str, body: bytes = b"", **headers: str) -> tuple[int, dict, dict]:
+    """(status, headers, JSON body) of one request sent as given (http.client adds only Host, if not given)."""
+    address = urllib.parse.urlsplit(served.root)
+    connection = http.client.HTTPConnection(address.hostname, address.port, timeout=120)
+    try:
+        connection.request(method, path, body=body, headers={k.replace("_", "-"): v for k, v in headers.items()})
+        response = connection.getresponse()
+        data = response.read()
+        return response.status, dict(response.headers), json.loads(data) if data else {}
+    finally:
+        connection.close()
+
+
+CHAT = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": REQUEST}], "max_tokens": 4}).encode()
+
+
+@pytest.mark.parametrize("method, body, headers, status, code", [
+    ("POST", CHAT, {"Content_Type": "application/json", "Origin": "http://evil.example"}, 403, "origin_not_allowed"),
+    ("POST", CHAT, {"Content_Type": "text/plain"}, 415, None),
+    ("POST", CHAT, {"Content_Type": "application/json", "Host": "evil.example:8000"}, 403, "host_not_allowed"),
+    ("GET", b"", {"Origin": "null"}, 403, "origin_not_allowed"),
+    ("OPTIONS", b"", {"Origin": "http://evil.example", "Access_Control_Request_Method": "POST"}, 403,
+     "origin_not_allowed"),
+    ("POST", b"[" * 200_000 + b"]" * 200_000, {"Content_Type": "application/json"}, 400, None),
+], ids=["foreign-origin", "text-plain", "foreign-host", "null-origin-get", "foreign-preflight", "deep-json"])
+def test_requests_a_web_page_could_forge_are_refused_as_openai_errors(served, method, body, headers, status, code):
+    """What a page of another site can make a browser send (a simple POST with its Origin, text/plain, a rebound Host
+    name) is refused, and so is 200,000-deep JSON: each an OpenAI error object with a 4xx status."""
+    path = "/health" if method == "GET" else "/v1/chat/completions"
+    got, _, answer = _raw(served, method, path, body, **headers)
+    assert got == status and answer["error"]["code"] == code and FIX.search(answer["error"]["message"]), answer
+
+
+def test_an_allowed_origin_may_ask_and_read_the_answer(served):
+    status, headers, _ = _raw(served, "OPTIONS", "/v1/chat/completions", Origin=ALLOWED_ORIGIN,
+                              Access_Control_Request_Method="POST", Access_Control_Request_Headers="content-type")
+    assert status == 204 and "Content-Type" in headers["Access-Control-Allow-Headers"]
+    assert headers["Access-Control-Allow-Origin"] == ALLOWED_ORIGIN
+    status, headers, answer = _raw(served, "POST", "/v1/chat/completions", CHAT, Origin=ALLOWED_ORIGIN,
+                                   Content_Type="application/json")
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == ALLOWED_ORIGIN
+    assert answer["choices"][0]["message"]["content"]
+
+
+def test_a_connection_that_never_finishes_its_header_is_closed(served):
+    """Half a request header, then nothing: the server closes the connection after IDLE_TIMEOUT_S (it would keep it
+    for an hour), so stalled connections cannot use up its file handles."""
+    address = urllib.parse.urlsplit(served.root)
+    with socket.create_connection((address.hostname, address.port), timeout=IDLE_TIMEOUT_S + 60) as connection:
+        connection.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-")
+        assert connection.recv(1024) == b""  # closed, not timed out
 
 
 # ------------------------------------------------------------------------------------------------ streamed deltas
@@ -357,3 +534,35 @@ def test_streamed_deltas_add_up_to_the_final_answer_whatever_the_pieces(thinking
     for name, piece in stream.finish(GenerationResult(answer, reasoning, [], {}, "eos")).items():
         sent[name] += piece
     assert sent == {"reasoning_content": reasoning, "content": answer}
+
+
+def test_stop_strings_are_bounded_in_number_and_length():
+    body = {"model": MODEL, "messages": [user_message(REQUEST)]}
+    assert parse_chat_request(body | {"stop": ["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS}, MODEL, False).stop
+    for stop in (["x"] * (MAX_STOP_STRINGS + 1), ["x" * (MAX_STOP_CHARS + 1)]):
+        with pytest.raises(RequestError, match=f"at most {MAX_STOP_STRINGS} stop strings") as info:
+            parse_chat_request(body | {"stop": stop}, MODEL, False)
+        assert info.value.param == "stop" and FIX.search(str(info.value))
+
+
+def _stream_cpu_seconds(stops: tuple[str, ...], text: str) -> float:
+    """CPU seconds AnswerStream takes for `text` arriving 8 characters at a time (best of three)."""
+    best = float("inf")
+    for _ in range(3):
+        stream = AnswerStream(False, stops)
+        started = time.process_time()
+        for end in range(8, len(text) + 1, 8):
+            stream.update(text[:end])
+        best = min(best, time.process_time() - started)
+    return best
+
+
+def test_holding_back_stop_strings_costs_each_update_the_same_however_long_the_answer():
+    """The most and longest stop strings allowed, none of them in the answer: streaming a 40,000-character answer
+    8 characters at a time costs at most a few times what it costs without stop strings (measured: 2x). Searching
+    and holding back from the start of the answer, or from each stop string's every length, at each update costs
+    over 20 times as much."""
+    text = "a red heart at the centre. " * 1500
+    stops = tuple(chr(0x2460 + number) * MAX_STOP_CHARS for number in range(MAX_STOP_STRINGS))
+    with_stops, without = _stream_cpu_seconds(stops, text), _stream_cpu_seconds((), text)
+    assert with_stops < 6 * without + 0.05, (with_stops, without)
