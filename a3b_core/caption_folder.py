@@ -1,14 +1,15 @@
 """Captioning a folder of images for a training dataset: one .txt per image, beside it or in a mirror folder.
 
 Images are listed (sorted, optionally recursive), then captioned a batch at a time: while the model generates one
-batch, the next batch's files are decoded and resized on a worker thread, so only two batches of pixels are ever in
-memory. Each batch is one engine call (its prompts are decoded together). On a local model the tokens every prompt
-has before its image (the chat format up to the image) are prefilled once per run, and each batch starts from them
-(generation.prefill_prefix); a remote server keeps its own prefix cache. A caption file is written atomically and
-only once its caption is complete, so a file that exists is finished: with `existing="skip"` a rerun, after a Stop,
-a crash or a power cut, carries on with the images that have none. A run that changes existing files (overwrite,
-append, prepend) keeps a journal of what it wrote (_Journal), so that run again with the same settings it carries on
-too, and never adds a caption twice.
+batch, the next batch's files are decoded and resized on a worker thread, one at a time and each no larger than its
+resize needs (image.load_resized), so only two batches of pixels are ever in memory, each of at most batch_size images
+and, past its first image, MAX_BATCH_PIXELS pixels. Each batch is one engine call (its prompts are decoded together).
+On a local model the tokens every prompt has before its image (the chat format up to the image) are prefilled once
+per run, and each batch starts from them (generation.prefill_prefix); a remote server keeps its own prefix cache.
+A caption file is written atomically and only once its caption is complete, so a file that exists is finished: with
+`existing="skip"` a rerun, after a Stop, a crash or a power cut, carries on with the images that have none. A run that
+changes existing files (overwrite, append, prepend) keeps a journal of what it wrote (_Journal), so that run again
+with the same settings it carries on too, and never adds a caption twice.
 
 `caption_folder` is an iterator of FolderProgress steps, so a caller can show progress and stop between batches;
 `should_stop` also ends a batch within one token (its unfinished captions are not written).
@@ -27,10 +28,11 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import torch
+from PIL import Image
 
 from .engine import A3BModel
 from .errors import ConfigError, ImageError
+from .image import load_resized
 from .options import RESIZE_MODES, GenerationOptions
 from .textfiles import write_text_atomic
 
@@ -44,6 +46,7 @@ TAGS_PROMPT = ("List what the image shows as comma-separated tags (subject, colo
                "most important first. Tags only.")
 TEMPLATE_FIELDS = ("name", "folder", "caption")
 CAPTION_SUFFIX = ".txt"
+MAX_BATCH_PIXELS = 2**26  # resized pixels a prepared batch holds, past its first image (~200 MB as RGB)
 RUN_JOURNAL = ".a3b-caption-run.jsonl"  # in the folder the captions go to, while a run that changes files is unfinished
 # Dataset captions: greedy (reproducible), and no presence penalty (a caption legitimately repeats "a", "of", ...).
 DEFAULT_GENERATION = GenerationOptions(max_new_tokens=160, temperature=0.0, presence_penalty=0.0)
@@ -234,12 +237,15 @@ def _check_unique_caption_files(pairs: Sequence[tuple[Path, Path]]) -> None:
 
 
 def _refusal(path: Path, write_root: Path, what: str = "its caption file") -> str:
-    """Why a file cannot be written at `path` ('' when it can): it must stay inside the folder written to."""
+    """Why a file cannot be written at `path` ('' when it can): it must stay inside the folder written to, and be a
+    regular file if it exists (reading a FIFO or a device would wait forever)."""
     target = path.resolve()
     if not target.is_relative_to(write_root):
         return f"{what} {path} is a link to {target}, outside {write_root}"
     if target.is_dir():
         return f"{what} {path} is a folder"
+    if target.exists() and not target.is_file():
+        return f"{what} {path} is not a regular file (a FIFO, socket or device)"
     return ""
 
 
@@ -404,7 +410,7 @@ class _Task:
 @dataclass
 class _Prepared:
     task: _Task
-    patches: tuple[torch.Tensor, tuple[int, int, int]] | None = None
+    image: Image.Image | None = None  # sRGB, resized as the job says
     error: str = ""
 
 
@@ -455,13 +461,12 @@ def caption_folder(model: A3BModel, job: FolderJob,
         total = len(upfront) + len(tasks)
     step = FolderProgress(total, len(upfront), upfront, to_caption=len(tasks), seconds=time.perf_counter() - started)
     yield step
-    batches = [tasks[i:i + job.batch_size] for i in range(0, len(tasks), job.batch_size)]
     prefix: SharedPrefix | None = None  # made from the first batch's prompts
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="a3b-images") as pool:
-        ahead: Future | None = pool.submit(_prepare, model, job, batches[0]) if batches else None
-        for number in range(len(batches)):
-            prepared = ahead.result()
-            ahead = pool.submit(_prepare, model, job, batches[number + 1]) if number + 1 < len(batches) else None
+        ahead: Future | None = pool.submit(_prepare, job, tasks, 0) if tasks else None
+        while ahead is not None:
+            prepared, end = ahead.result()
+            ahead = pool.submit(_prepare, job, tasks, end) if end < len(tasks) else None
             if stop():
                 _cancel(ahead)
                 yield _next(step, [], started, stopped=True)
@@ -473,10 +478,10 @@ def caption_folder(model: A3BModel, job: FolderJob,
                 yield step
                 _cancel(ahead)
                 return
-            if number + 1 == len(batches) and journal is not None:
+            if ahead is None and journal is not None:
                 journal.finish()
             yield step
-    if not batches and journal is not None:
+    if not tasks and journal is not None:
         journal.finish()
 
 
@@ -493,16 +498,22 @@ def _next(step: FolderProgress, outcomes: list[ImageOutcome], started: float, st
                    seconds=time.perf_counter() - started, stopped=stopped)
 
 
-def _prepare(model: A3BModel, job: FolderJob, batch: list[_Task]) -> list[_Prepared]:
-    """Decoding and resizing a batch of files (the worker thread's part); an unreadable file is kept with its
-    reason. Files for append / prepend are read here too."""
-    prepared = []
-    for task in batch:
+def _prepare(job: FolderJob, tasks: list[_Task], start: int) -> tuple[list[_Prepared], int]:
+    """The next batch from tasks[start:], decoded and resized one file at a time (the worker thread's part), and where
+    the batch after it starts: a batch ends at batch_size images, or once its images hold MAX_BATCH_PIXELS. An
+    unreadable file is kept with its reason. Files for append / prepend are read here too."""
+    prepared: list[_Prepared] = []
+    pixels = 0
+    end = start
+    while end < len(tasks) and len(prepared) < job.batch_size and pixels < MAX_BATCH_PIXELS:
+        task = tasks[end]
+        end += 1
         try:
-            patches = model.preprocess_image(task.image, job.size, job.resize)
+            image = load_resized(task.image, job.size, job.resize)
         except ImageError as exc:
             prepared.append(_Prepared(task, error=str(exc)))
             continue
+        pixels += image.width * image.height
         if job.existing in ("append", "prepend") and task.caption_file.exists():
             try:
                 task.existing = task.caption_file.read_text(encoding="utf-8")
@@ -510,8 +521,8 @@ def _prepare(model: A3BModel, job: FolderJob, batch: list[_Task]) -> list[_Prepa
                 prepared.append(_Prepared(task, error=f"its caption file cannot be read as UTF-8 text ({exc}), so "
                                                       "nothing was added to it"))
                 continue
-        prepared.append(_Prepared(task, patches))
-    return prepared
+        prepared.append(_Prepared(task, image))
+    return prepared, end
 
 
 def _caption_batch(model: A3BModel, job: FolderJob, request: str, prepared: list[_Prepared],
@@ -520,12 +531,12 @@ def _caption_batch(model: A3BModel, job: FolderJob, request: str, prepared: list
     """One batch through the model and into its files: (outcomes, stopped, new tokens, seconds in the model, the
     run's shared prefix: `prefix`, or made from this batch on a local model)."""
     outcomes = {id(p): ImageOutcome(p.task.image, p.task.caption_file, "unreadable", detail=p.error)
-                for p in prepared if p.patches is None}
-    readable = [p for p in prepared if p.patches is not None]
+                for p in prepared if p.image is None}
+    readable = [p for p in prepared if p.image is not None]
     stopped, tokens, seconds = False, 0, 0.0
     if readable:
         began = time.perf_counter()
-        images = model.encode_patches((p.patches for p in readable), len(readable))
+        images = model.encode_images([p.image for p in readable], job.size, job.resize, srgb=False)  # sRGB already
         # a caption is one sentence or a tag list: never worth reasoning tokens, whatever the model's default
         prompts = [model.build_prompt(user=request, images=images[i], thinking=False) for i in range(len(readable))]
         options = job.generation.as_kwargs()

@@ -6,10 +6,14 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
+import threading
 from pathlib import Path
 
 import pytest
 
+from a3b_core import caption_folder as folder_module
 from a3b_core.__main__ import main
 from a3b_core.caption_folder import (RUN_JOURNAL, TAGS_PROMPT, FolderJob, FolderProgress, Shaping, caption_folder,
                                      caption_request, check_shaping, combined, run_to_end, shape_caption, summary)
@@ -18,6 +22,7 @@ from a3b_core.engine import load_model
 from a3b_core.errors import ConfigError
 from a3b_core.options import GenerationOptions
 from nodes.caption_folder import folder_job, output_lists
+from tests.hostile_inputs import EPS, REPO, fake_ghostscript
 from tests.test_bad_inputs import FIX
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -324,7 +329,52 @@ def test_the_progress_line_shows_rate_eta_and_tokens_per_second() -> None:
     assert step.line() == "40/100 images · 40.0 img/min · ETA 1m 30s · 40.0 tok/s"
 
 
+def test_a_batch_ends_once_its_images_hold_max_batch_pixels(tmp_path, model, monkeypatch):
+    """With room for two 256x256 images per batch, the five images (and the unreadable file, which holds no pixels)
+    are captioned in three batches, whatever batch_size allows."""
+    monkeypatch.setattr(folder_module, "MAX_BATCH_PIXELS", 2 * 256 * 256)
+    data = make_dataset(tmp_path)
+    steps = list(caption_folder(model, job(data, batch_size=8)))
+    assert [len(step.outcomes) for step in steps[1:]] == [3, 2, 1]  # knight, broken, dragon | tree, slime | zebra
+    assert len(captions_of(data)) == len(IMAGES)
+
+
 # --- links, duplicates, bad input --------------------------------------------------------------------------------
+
+def test_a_fifo_named_like_a_caption_file_is_refused_by_name_and_the_run_goes_on(tmp_path, model):
+    """`existing` append reads a caption file before adding to it; one that is a FIFO would wait forever for a
+    writer. It is refused by name, the other images are captioned, and the run ends."""
+    data = make_dataset(tmp_path)
+    os.mkfifo(data / "zebra.txt")
+    finished: list = []
+    run = threading.Thread(target=lambda: finished.append(run_to_end(model, job(data, existing="append"))),
+                           daemon=True)
+    run.start()
+    run.join(timeout=600)
+    if not finished:
+        with open(data / "zebra.txt", "w"):  # the reader waits for a writer: let it go before failing
+            pass
+    assert finished, "the run hung on the FIFO"
+    outcomes, _ = finished[0]
+    refused = {o.image.name: o.detail for o in outcomes if o.status == "refused"}
+    assert list(refused) == ["zebra.jpeg"] and "not a regular file" in refused["zebra.jpeg"]
+    assert sum(o.status == "written" for o in outcomes) == len(IMAGES) - 1
+
+
+def test_postscript_named_png_is_reported_unreadable_and_no_program_runs(tmp_path):
+    """EPS bytes in a .png: the CLI run reports the file by name, captions the others and exits normally; the
+    stand-in gs first on its PATH never runs."""
+    data = make_dataset(tmp_path)
+    (data / "drawing.png").write_bytes(EPS)
+    env, marker = fake_ghostscript(tmp_path)
+    done = subprocess.run([sys.executable, "-m", "a3b_core", "caption-folder", str(data), "--size", "256",
+                           "--max-new-tokens", "8"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert f"unreadable: {data / 'drawing.png'}: " in done.stderr and "not an image in a format" in done.stderr
+    assert sorted(captions_of(data)) == ["knight one.txt", "zebra.txt"]
+    assert not marker.exists()
+
+
 
 def test_links_out_of_the_folder_are_refused_by_name_and_the_target_is_untouched(tmp_path, model):
     data = make_dataset(tmp_path)
