@@ -142,18 +142,10 @@ class A3BModel:
         encoded.sources = [ImageSource(item, resize, srgb, tuple(background)) for item in items]
         return encoded
 
-    def preprocess_image(self, image, size: int = 384, resize: str = "stretch",
-                         srgb: bool = True) -> tuple[torch.Tensor, tuple[int, int, int]]:
-        """One image -> (pixel patches, grid) for this model's vision tower, without running it: the part of
-        encode_images that needs no model, so callers may run it on another thread while the model works."""
-        vcfg = self.config.vision
-        return image_pipeline.preprocess(image, size, resize, srgb, image_pipeline.WHITE, vcfg.patch_size,
-                                         vcfg.temporal_patch_size, vcfg.spatial_merge_size)
-
     @torch.inference_mode()
     def encode_patches(self, patches: Iterable[tuple[torch.Tensor, tuple[int, int, int]]], total: int,
                        progress: Progress | None = None) -> EncodedImages:
-        """Preprocessed images (preprocess_image's results) through the vision tower, one entry per image."""
+        """Preprocessed images (image.preprocess's results) through the vision tower, one entry per image."""
         vision = self.require_vision()
         vision_device = vision.pos_embed.weight.device
         embeds, grids = [], []

@@ -23,15 +23,15 @@ import os
 import re
 import time
 import urllib.parse
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import aiohttp
 
-from . import (GenerationError, GenerationResult, ImageError, PromptError, RemoteError, Turn, load_image, resize_image,
-               split_batch)
+from . import GenerationError, GenerationResult, ImageError, PromptError, RemoteError, Turn, split_batch
 from .chat_messages import messages_from_conversation
+from .image import load_resized
 from .options import SAMPLER_FIELDS, GenerationOptions
 
 API_KEY_ENV = re.compile(r"A3B_[A-Za-z0-9_]*")
@@ -159,22 +159,14 @@ class RemoteModel:
                 progress(number, len(items))
         return RemoteImages(tuple(urls))
 
-    def preprocess_image(self, image, size: int = 384, resize: str = "stretch", srgb: bool = True,
-                         background: tuple[int, int, int] = (255, 255, 255)) -> str:
-        """One image -> its PNG data URL (what A3BModel.preprocess_image is for a local model)."""
-        png = io.BytesIO()
-        resize_image(load_image(image, background=background, srgb=srgb), size, resize).save(png, format="PNG")
-        return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode("ascii")
-
     @staticmethod
-    def encode_patches(urls: Iterable[str], total: int, progress: Callable[[int, int], None] | None = None
-                       ) -> RemoteImages:
-        """Prepared images (preprocess_image's results) as one RemoteImages, as A3BModel.encode_patches joins a
-        local model's."""
-        urls = tuple(urls)
-        if progress is not None:
-            progress(len(urls), total)
-        return RemoteImages(urls)
+    def preprocess_image(image, size: int = 384, resize: str = "stretch", srgb: bool = True,
+                         background: tuple[int, int, int] = (255, 255, 255)) -> str:
+        """One image -> the PNG data URL of the pixels the local engine would encode (a large file decoded shrunk,
+        as load_resized decodes it for a local model)."""
+        png = io.BytesIO()
+        load_resized(image, size, resize, background=background, srgb=srgb).save(png, format="PNG")
+        return "data:image/png;base64," + base64.b64encode(png.getvalue()).decode("ascii")
 
     def encode_video(self, video, **options) -> RemoteImages:
         """Videos are read by the local engine only: sampling and timestamps would have to match the server's."""
