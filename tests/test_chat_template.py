@@ -6,19 +6,24 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from a3b_core import load_model
-from a3b_core.chat_template import MAX_FILE_BYTES, FolderTemplate, find_chat_template
+from a3b_core.chat_template import (MAX_FILE_BYTES, MAX_TEMPLATE_CHARACTERS, RENDER_SECONDS, FolderTemplate,
+                                    find_chat_template)
 from a3b_core.errors import ChatTemplateError, ConfigError, PromptError
 from a3b_core.models.qwen3_5.chat_template import build_prompt as built_in_prompt
 from a3b_core.prompt import IMAGE_MARKER, Turn, count_image_markers
 from a3b_core.tokenizer import Tokenizer
 from tests.test_bad_inputs import FIX
+from tests.test_prompt import official_text
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 QWEN3_5_TEMPLATE = Path(__file__).parent / "data" / "qwen3_5_chat_template.jinja"
@@ -266,7 +271,14 @@ def test_a_template_that_raises_names_its_message(tok, folder):
 
 
 # ------------------------------------------------------------------------------------------------ hostile templates
+TOO_LONG = "a string would grow past 16777216 characters"
+TOO_MANY = "a list would grow past 131072 items"
+TOO_MUCH = "it built over 32 MiB of strings and lists"
+TOO_SLOW = r"rendering took over 2 s of CPU time"
+TOO_LONG_PROMPT = r"the prompt grew past \d+ characters \(twice the conversation's texts and 262144 more\)"
+LONG = "{% set s = 'x' * 1000000 %}"  # a 1 M-character string, and below many references to it
 HOSTILE = {
+    # reaching outside the sandbox
     "class attribute": ("{{ messages.__class__ }}", "attribute '__class__' of a list is not allowed"),
     "subclasses": ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "'__class__' of a str is not allowed"),
     "function globals": ("{{ raise_exception.__globals__['os'] }}", "'__globals__' of a function is not allowed"),
@@ -274,39 +286,185 @@ HOSTILE = {
     "template internals": ("{{ self._TemplateReference__context.environment }}", "not allowed"),
     "format string": ("{{ '{0.__class__.__mro__}'.format(messages) }}", "SecurityError"),
     "list mutation": ("{% set found = [] %}{{ found.append(messages) }}", "'append' of a list is not allowed"),
-    "huge range": ("{% for i in range(10**9) %}{% endfor %}", "larger than any prompt needs"),
-    "range over the sandbox cap": ("{% for i in range(1000000) %}{% endfor %}", "Range too big"),
+    "dict type methods": ("{{ dict.fromkeys(range(100000)) }}", "has no attribute 'fromkeys'"),
+    # methods and helpers without a bound are not there
+    "encode": ("{{ 'x'.encode('utf-32') * 999999999 }}", "'encode' of a str is not allowed"),
+    "to_bytes": ("{{ (1).to_bytes(999999999, 'big') }}", "'to_bytes' of a int is not allowed"),
+    "lipsum": ("{{ lipsum(100000) }}", "'lipsum' is undefined"),
+    "autoescape": ("{% autoescape true %}{{ '<' }}{% endautoescape %}", "autoescape blocks are not supported"),
+    # endless work
+    "huge range": ("{% for i in range(10**9) %}{% endfor %}", "Range too big"),
     "recursion": ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "recurses without end"),
     "recursive loop": ("{% for m in messages recursive %}{{ loop(messages) }}{% endfor %}", "recurses without end"),
-    "nested loops": ("{% set r = range(100000)|list %}{% for a in r %}{% for b in r %}{% for c in r %}{% endfor %}"
-                     "{% endfor %}{% endfor %}", r"rendering took over \d s"),
-    "string repeat": ("{{ 'x' * 10**9 }}", "repeating a str 1000000000 times"),
-    "string doubling": ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
-                        "{% endfor %}", "a string grew past"),
-    "huge power": ("{{ 10**100**100 }}", "larger than any prompt needs"),
-    "wide padding": ("{{ 'x'.ljust(10**9) }}", "larger than any prompt needs"),
-    "wide filter": ("{{ 'x'|center(10**9) }}", "larger than any prompt needs"),
-    "wide format": ("{{ '%0999999999d' % 1 }}", "width larger than any prompt needs"),
-    "starred width": ("{{ '%*d' % (999999999, 1) }}", "width larger than any prompt needs"),
-    "wide field": ("{{ '{:>999999999}'.format(1) }}", "width larger than any prompt needs"),
+    "nested loops": ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", TOO_SLOW),
+    "many outputs": ("{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}",
+                     TOO_LONG_PROMPT),
+    "a prompt far longer than its conversation": ("{{ 'x' * 1000000 }}", TOO_LONG_PROMPT),  # tokenizing: 0.8 s
+    "macro of many outputs": ("{% macro m() %}{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}"
+                              "{% endfor %}{% endmacro %}{{ m() }}", TOO_SLOW),
+    "loop length of a long string": ("{% for c in 'x' * 16000000 %}{{ loop.length }}{% endfor %}", TOO_SLOW),
+    "numbers written in a loop": ("{% macro m() %}{% for a in range(100000) %}{% for b in range(100000) %}{{ b }}"
+                                  "{% endfor %}{% endfor %}{% endmacro %}{{ m() }}", f"{TOO_MUCH}|{TOO_SLOW}"),
+    # strings grown by operators (`~` was never checked: 4 G characters, 6.5 GB, 16 s)
+    "doubling with ~": ("{% set a = 'xxxxxxxxxxxxxxxx' %}" + "{% set a = a ~ a %}" * 40, TOO_MUCH),
+    "doubling in a namespace": ("{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+                                "{% endfor %}", TOO_MUCH),
+    "doubling with +": ("{% set a = 'xxxxxxxxxxxxxxxx' %}" + "{% set a = a + a %}" * 40, TOO_MUCH),
+    "many copies kept": (LONG + "{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
+                         "{% set ns.l = ns.l + [s ~ i] %}{% endfor %}", TOO_MUCH),
+    "many slices kept": (LONG + "{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
+                         "{% set ns.l = ns.l + [s[i:]] %}{% endfor %}", TOO_MUCH),
+    "list doubling": ("{% set a = [1] %}" + "{% set a = a + a %}" * 40, TOO_MANY),
+    "string repeat": ("{{ 'x' * 10**9 }}", TOO_LONG),
+    "list repeat": ("{{ [1] * 10**8 }}", TOO_MANY),
+    "huge power": ("{{ 10**100**100 }}", "would grow past 4096 bits"),
+    "long text of a list": (LONG + "{{ [s] * 100000 }}", TOO_LONG),
+    "~ with a list": (LONG + "{{ 'a' ~ [s] * 100000 }}", TOO_LONG),
+    "shared nesting": ("{% set ns = namespace(a=['x' * 1000]) %}{% for i in range(40) %}"
+                       "{% set ns.a = [ns.a, ns.a] %}{% endfor %}{{ ns.a }}", TOO_LONG),
+    # formatting: widths, nested widths and repeated fields are bounded before the string is built (4.5 GB)
+    "wide %": ("{{ '%0999999999d' % 1 }}", TOO_LONG),
+    "starred width": ("{{ '%*d' % (999999999, 1) }}", TOO_LONG),
+    "repeated %s": (LONG + "{{ '%s' * 20 % ((s,) * 20) }}", TOO_LONG),
+    "repeated %(key)s": (LONG + "{{ '%(a)s' * 20 % {'a': s} }}", TOO_LONG),
+    "wide field": ("{{ '{:>999999999}'.format(1) }}", TOO_LONG),
+    "nested width": ("{{ '{:>{}}'.format(1, 999999999) }}", TOO_LONG),
+    "nested width as text": ("{{ '{:>{}}'.format(1, '999999999') }}", TOO_LONG),
+    "repeated field": (LONG + "{{ ('{0}' * 20).format(s) }}", TOO_LONG),
+    "format_map width": ("{{ '{a:>999999999}'.format_map({'a': 1}) }}", TOO_LONG),
+    "repr field of a list": (LONG + "{{ '{0!r}'.format([s] * 100000) }}", TOO_LONG),
+    "format filter": ("{{ '%*d'|format(999999999, 1) }}", TOO_LONG),
+    "wide format filter": ("{{ '%0999999999d'|format(1) }}", TOO_LONG),
+    # filters and str methods
+    "wide padding": ("{{ 'x'.ljust(10**9) }}", TOO_LONG),
+    "zfill": ("{{ '1'.zfill(999999999) }}", TOO_LONG),
+    "wide filter": ("{{ 'x'|center(10**9) }}", TOO_LONG),
+    "expandtabs": ("{{ ('\t' * 100000).expandtabs(100000) }}", TOO_LONG),
+    "indent": ("{{ ('\n' * 100000)|indent(100000) }}", TOO_LONG),
+    "replace of empty": ("{% set s = 'x' * 100000 %}{{ s.replace('', s) }}", TOO_LONG),
+    "replace filter": ("{% set s = 'x' * 100000 %}{{ s|replace('x', s) }}", TOO_LONG),
+    "join of a shared list": (LONG + "{{ ([s] * 100000)|join }}", TOO_LONG),
+    "str join": (LONG + "{{ ''.join([s] * 100000) }}", TOO_LONG),
+    "upper": ("{{ ('ß' * 8000000).upper() }}", TOO_LONG),
+    "split": ("{{ ('a,' * 8000000).split(',') }}", TOO_MANY),
+    "splitlines": ("{{ ('a\n' * 8000000).splitlines() }}", TOO_MANY),
+    "list of a long string": ("{{ ('x' * 16000000)|list }}", TOO_MANY),
+    "sort of a shared list": (LONG + "{{ ([s] * 100000)|sort(case_sensitive=true) }}", TOO_LONG),
+    "lower-cased sort keys": (LONG + "{{ ([s] * 100000)|sort }}", TOO_LONG),
+    "unique": (LONG + "{{ ([s] * 100000)|unique|list }}", TOO_LONG),
+    "groupby": (LONG + "{{ ([[s]] * 100000)|groupby(0) }}", TOO_LONG),
+    "max": (LONG + "{{ ([s] * 100000)|max }}", TOO_LONG),
+    "sum of lists": ("{{ ([[1]] * 100000)|sum(start=[]) }}", "the sum filter adds numbers"),
+    "batch fill": ("{{ [1]|batch(999999999, 0)|list }}", TOO_MANY),
+    "slice": ("{{ [1]|slice(999999999)|list }}", TOO_MANY),
+    "wordwrap": ("{{ ('a ' * 8000000)|wordwrap(1) }}", "the wordwrap filter works word by word"),
+    "title": ("{{ ('a ' * 8000000)|title }}", "the title filter works word by word"),
+    "tojson indent": ("{{ [1]|tojson(indent=999999999) }}", TOO_LONG),
+    "tojson of a shared list": (LONG + "{{ ([s] * 100000)|tojson }}", TOO_LONG),
+    "escape": ("{{ ('\"' * 16000000)|e }}", TOO_LONG),
+    "float of a long text": ("{{ ('\x00' * 16000000)|float }}", TOO_LONG),
+    "round to huge precision": ("{{ 12345|round(-999999999, 'floor') }}", "round's precision"),
+    "urlize": ("{{ 'a.com'|urlize }}", "No filter named 'urlize'"),
+    "pprint": ("{{ [1]|pprint }}", "No filter named 'pprint'"),
+    # a generator's items are counted, whoever consumes them
+    "unpacked generator": ("{% macro m() %}{{ varargs|length }}{% endmacro %}{{ m(*(('ab' * 8000000)|select)) }}",
+                           TOO_MUCH),
+    "in a generator": ("{{ 'z' in ('ab' * 8000000)|select }}", TOO_MUCH),
+    "dict of a generator": ("{{ dict(('ab' * 8000000)|map('center', 2)) }}", f"{TOO_MUCH}|{TOO_SLOW}"),
 }
+PEAK_BYTES = 128 * 2**20  # the allowance (32 MiB) and a string or list in flight, with room; the bypasses took GBs
+CPU_SECONDS = 3 * RENDER_SECONDS  # the deadline, and the longest single step the caps allow (about 0.5 s), with room
 
 
-def test_numbers_in_format_strings_are_not_widths(tok, tmp_path):
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_a_hostile_template_ends_in_a_chat_template_error(tok, tmp_path, monkeypatch, case):
+    """Refused before the work is done: the memory the render allocated (tracemalloc's peak) and its CPU time stay
+    within bounds that hold on any machine."""
+    source, expected = HOSTILE[case]
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "chat_template.jinja"
+    tracemalloc.start()
+    started = time.thread_time()
+    try:
+        with pytest.raises(ChatTemplateError, match=expected) as info:
+            FolderTemplate(source, path, "chat_template.jinja").build_prompt(tok, "Describe the scene.")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert_refused(info, path)
+    assert time.thread_time() - started < CPU_SECONDS
+    assert peak < PEAK_BYTES, f"{peak / 2**20:.0f} MiB"
+    assert not (tmp_path / "marker").exists()
+
+
+def test_the_allowance_grows_with_the_conversation(qwen_template):
+    """Qwen3.5's template copies a long user text 7 times: 56 Mi characters for this 8 Mi, over the base allowance."""
+    messages = [{"role": "user", "content": "word " * (8 * 2**20 // 5)}]
+    assert qwen_template.render(messages, True, False) == official_text(messages, thinking=True)
+
+
+def test_a_template_longer_than_any_release_is_refused_at_load(tmp_path):
+    path = tmp_path / "chat_template.jinja"
+    with pytest.raises(ChatTemplateError, match="is 65537 characters long, over the 65536") as info:
+        FolderTemplate("x" * (MAX_TEMPLATE_CHARACTERS + 1), path, "chat_template.jinja")
+    assert_refused(info, path)
+
+
+# What templates write with operators, filters, methods, formatting and statements, at ordinary sizes: the sandbox's
+# bounds change none of it (tojson is transformers', which keeps Unicode and key order: checked apart).
+ORDINARY = [
+    "'a' ~ 1 ~ [1, 'b'] ~ {'k': 'v'} ~ none ~ 1.5 ~ undefined_name", "'ab' + 'cd'", "[1] + [2]", "(1, 2) + (3,)",
+    "'ab' * 3", "3 * [1]", "2 ** 10", "7 % 3", "'%s-%05d-%.2f-%r-%x' % ('a', 42, 3.14159, 'q', 255)",
+    "'%(a)s %(b)d%%' % {'a': 'x', 'b': 2}", "'%*d|%-*s|%.*f' % (5, 1, 4, 'a', 2, 3.14159)",
+    "'{} {:>5} {:_<6} {:08.3f} {!r}'.format('a', 'b', 'c', 3.5, 'd')", "'{a} {b:{w}}'.format(a=1, b='x', w=4)",
+    "'{0[k]} {0.k}'.format({'k': 'v'})", "'{:,}'.format(1234567)", "'{a}'.format_map({'a': 5})",
+    "'x'.center(9, '*')", "'7'.zfill(4)", "'a\tb'.expandtabs(4)", "', '.join(['a', 'b'])", "'-'.join('abc')",
+    "'a,b,,c'.split(',')", "'a b  c'.split()", "'a,b,c'.rsplit(',', 1)", "'a\nb\r\nc'.splitlines()",
+    "'aaa'.replace('a', 'b', 2)", "'xxyxx'.lstrip('x') ~ '  x  '.strip()", "'a=b'.partition('=')",
+    "'Hello'.upper() ~ 'Hi'.lower() ~ 'ab cd'.title()", "'abc'.startswith('a')", "'aXbX'.count('X')",
+    "{'a': 1}.get('a')", "{'a': 1}.items()|list", "[1, 2, 1].count(1)", "'abcdef'[1:4] ~ 'abc'[::-1]",
+    "[1, 2, 3][1:]", "range(10)[2:5]|list", "-3|abs", "'hello'|capitalize", "[1, 2]|count", "none|default('d')",
+    "{'b': 2, 'a': 1}|dictsort(by='value', reverse=true)", "'<a href=\"x\">'|e", "'<b>'|forceescape",
+    "1234567|filesizeformat", "[3, 1]|first", "'3.5'|float", "'x'|float(1.5)", "'%s and %s'|format('a', 'b')",
+    "[{'a': 1, 'b': 'x'}, {'a': 1, 'b': 'y'}, {'a': 2, 'b': 'z'}]|groupby('a')|map(attribute='grouper')|list",
+    "'a\nb\n\nc'|indent(2)", "'a\nb'|indent('> ', first=true)", "'0x1A'|int(base=16)", "['a', 'b']|join(', ')",
+    "[{'n': 'a'}, {'n': 'b'}]|join('-', attribute='n')", "[1, 2]|last", "'abc'|list", "{'a': 1}|items|list",
+    "['a', 'B']|map('upper')|list", "['b', 'A', 'c']|min", "['b', 'A', 'c']|max(case_sensitive=true)",
+    "[{'a': 1}, {'a': 0}]|rejectattr('a')|list", "'Hello'|replace('l', 'L', 1)", "[1, 2, 3]|reverse|list",
+    "3.14159|round(1, 'floor')", "12345|round(-2)", "'<b>'|safe", "[1, 2, 3, 4]|select('even')|list",
+    "[1, 2, 3, 4, 5]|slice(2, 0)|list", "[1, 2, 3]|batch(2, 'x')|list", "['b', 'A', 'c']|sort",
+    "[{'n': 2}, {'n': 1}]|sort(attribute='n')|map(attribute='n')|list", "[1, 'a']|string", "[1.5, 2]|sum(start=1)",
+    "'<p>a  <b>b</b></p>'|striptags", "'hello world'|title", "'xxaxx'|trim('x')", "'hello world foo'|truncate(11)",
+    "['a', 'A', 'b']|unique|list", "{'a': 'b c', 'd': 1}|urlencode", "'one two three'|wordcount",
+    "'aaa bbb ccc ddd'|wordwrap(7)", "{'class': 'x', 'id': 1}|xmlattr", "namespace(a=1).a", "dict(a=1, b=2)",
+    "'k' in {'k': 1}", "joiner(', ')() ~ cycler('a', 'b').next()",
+]
+STATEMENTS = (
+    "{% for m in ['a', 'b', 'c'] %}{{ loop.index }}/{{ loop.length }}{{ loop.cycle('x', 'y') }}{{ loop.previtem }}"
+    "{% if loop.last %}!{% endif %}{% endfor %}{% macro m(x) %}[{{ x }}{{ caller() if caller }}]{% endmacro %}"
+    "{{ m(1) }}{% call m(2) %}c{% endcall %}{% set b %}block {{ 1 + 1 }}{% endset %}{{ b }}"
+    "{% filter upper %}up{% endfilter %}{% set ns = namespace(n=0) %}{% for i in range(5) %}{% set ns.n = ns.n + i %}"
+    "{% endfor %}{{ ns.n }}{% for x in [[1, 2], [3]] recursive %}{% if x is iterable %}{{ loop(x) }}{% else %}{{ x }}"
+    "{% endif %}{% endfor %}{% for x in range(10) %}{% if x > 2 %}{% break %}{% endif %}{{ x }}{% endfor %}")
+
+
+@pytest.mark.parametrize("source", [f"{{{{ {expression} }}}}" for expression in ORDINARY] + [STATEMENTS])
+def test_ordinary_templates_render_as_jinja2s_own_sandbox_does(tmp_path, source):
+    plain = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).from_string(source)
+    template = FolderTemplate(source, tmp_path / "chat_template.jinja", "chat_template.jinja")
+    assert template.render([{"role": "user", "content": "hi"}], False, False) == plain.render()
+
+
+def test_tojson_keeps_unicode_and_key_order(tmp_path):
+    template = FolderTemplate("{{ {'b': ['é', none], 'a': 1}|tojson }}{{ {'k': 1}|tojson(indent=2) }}",
+                              tmp_path / "chat_template.jinja", "chat_template.jinja")
+    assert template.render([{"role": "user", "content": "hi"}], False, False) == \
+        '{"b": ["é", null], "a": 1}{\n  "k": 1\n}'
+
+
+def test_numbers_in_format_strings_are_not_widths(tmp_path):
     source = ("{{ 'Batch 100000 of %d, %5.2f%%. ' % (200000, 50) }}{{ 'Year {} of 10000000'.format(2026) }}"
               "{{ messages[0].content }}")
     template = FolderTemplate(source, tmp_path / "chat_template.jinja", "chat_template.jinja")
     assert template.render([{"role": "user", "content": "hi"}], False, False) == \
         "Batch 100000 of 200000, 50.00%. Year 2026 of 10000000hi"
-
-
-@pytest.mark.parametrize("case", sorted(HOSTILE))
-def test_a_hostile_template_ends_in_a_chat_template_error(tok, tmp_path, monkeypatch, case):
-    source, expected = HOSTILE[case]
-    monkeypatch.chdir(tmp_path)
-    path = tmp_path / "chat_template.jinja"
-    template = FolderTemplate(source, path, "chat_template.jinja")
-    with pytest.raises(ChatTemplateError, match=expected) as info:
-        template.build_prompt(tok, "Describe the scene.")
-    assert_refused(info, path)
-    assert not (tmp_path / "marker").exists()

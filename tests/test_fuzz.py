@@ -1,11 +1,11 @@
 """Fuzzing the parsers that read what users hand us (safetensors headers, config.json, tokenizer.json, prompt text,
-image files) and the caption file paths Save Captions builds from node inputs, and a short soak: many generations in
-one process leave no cache behind.
+image files), the chat template sandbox, and the caption file paths Save Captions builds from node inputs, and a short
+soak: many generations in one process leave no cache behind.
 
 Each property is "a specific A3BError, or a valid result" - never another exception, a crash or a huge allocation
 (and for caption files: never a file outside the output folder). Examples are derandomized (the same every run, so
-CI is reproducible) and the local database is off. Budget: about 40 s on one core for the whole file (EXAMPLES
-below: 5,300 examples in all). For a longer hunt, scale them, e.g.
+CI is reproducible) and the local database is off. Budget: about 50 s on one core for the whole file (EXAMPLES
+below: 5,360 examples in all). For a longer hunt, scale them, e.g.
 `A3B_FUZZ_SCALE=20 pytest tests/test_fuzz.py`. Each engine bug they find gets a minimal case
 in test_bad_inputs.py.
 """
@@ -17,6 +17,8 @@ import json
 import math
 import os
 import struct
+import time
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -27,10 +29,11 @@ from PIL import Image, ImageDraw
 from safetensors.torch import save_file
 
 from a3b_core import load_model
+from a3b_core.chat_template import RENDER_SECONDS, FolderTemplate
 from a3b_core.checkpoint import Checkpoint, read_header
 from a3b_core.config import MAX_LAYERS, ModelConfig
 from a3b_core.models import load_config, parse_config
-from a3b_core.errors import CheckpointError, ConfigError, ImageError, PromptError
+from a3b_core.errors import ChatTemplateError, CheckpointError, ConfigError, ImageError, PromptError
 from a3b_core.image import MAX_INPUT_PIXELS, load_image
 from a3b_core.models.qwen3_5.chat_template import build_prompt
 from a3b_core.prompt import IMAGE_MARKER, Turn
@@ -42,7 +45,7 @@ from tests.tiny_tokenizer import build_tiny_tokenizer
 
 FUZZ_SCALE = int(os.environ.get("A3B_FUZZ_SCALE", "1"))
 EXAMPLES = {"header_bytes": 300, "header_mutations": 800, "header_fields": 500, "config": 600, "config_numbers": 400,
-            "tokenizer": 150, "prompt": 600, "image": 1000, "captions": 300}
+            "tokenizer": 150, "prompt": 600, "template": 60, "image": 1000, "captions": 300}
 DATA = Path(__file__).parent / "data"
 
 
@@ -391,6 +394,42 @@ def test_prompts_with_lone_surrogates_build_or_fail_clearly(tok, user):
         build_prompt(tok, user)
     except PromptError:
         pass
+
+
+# ------------------------------------------------------------------------------------------------ chat templates
+# A folder template that starts from a value and applies growing steps to it many times: every operator, filter and
+# method that builds a string or list, fed its own output.
+TEMPLATE_STARTS = ["'x'", "'ab ' * 1000", "[1, 'a']", "range(50)|list", "messages", "{'k': 'v'}", "7", "2 ** 40",
+                   "'%s {} %s'", "namespace(v='é')"]
+TEMPLATE_STEPS = ["({v}) ~ ({v})", "({v}) + ({v})", "({v}) * 1000", "({v}) * ({v})", "'%s%s' % (({v}), ({v}))",
+                  "'{{:>{{}}}}{{}}'.format(({v}), 100000, ({v}))", "({v})|center(100000)", "({v})|list", "({v})|sort",
+                  "({v})|string", "({v})|tojson(indent=4)", "({v})|replace('a', ({v}))", "({v})|batch(3)|list",
+                  "({v})[::-1]", "({v})|indent(100)", "({v})|join(({v}))", "(({v})|string).split(' ')",
+                  "[({v}), ({v})]", "({v})|format(({v}))", "({v})|unique|list", "({v})|wordwrap(3)",
+                  "(({v})|string).center(99999)", "({v})|map('string')|list", "({v})|items|list",
+                  "(({v})|string).format(({v}))"]
+TEMPLATE_PEAK_BYTES = 128 * 2**20
+
+
+@fuzz("template")
+@given(start=st.sampled_from(TEMPLATE_STARTS), steps=st.lists(st.sampled_from(TEMPLATE_STEPS), min_size=1, max_size=3),
+       repeat=st.integers(1, 40))
+def test_growing_templates_render_or_fail_clearly_within_bounds(tok, start, steps, repeat):
+    """Rendered text or a ChatTemplateError, never another exception, with the render's allocations (tracemalloc's
+    peak) and CPU time bounded whatever the steps."""
+    body = "".join(f"{{% set ns.v = {step.format(v='ns.v')} %}}" for step in steps)
+    source = f"{{% set ns = namespace(v={start}) %}}{{% for i in range({repeat}) %}}{body}{{% endfor %}}{{{{ ns.v }}}}"
+    tracemalloc.start()
+    started = time.thread_time()
+    try:
+        FolderTemplate(source, Path("chat_template.jinja"), "chat_template.jinja").build_prompt(tok, "Hi")
+    except ChatTemplateError:
+        pass
+    finally:
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert time.thread_time() - started < 3 * RENDER_SECONDS
+    assert peak < TEMPLATE_PEAK_BYTES, f"{peak / 2**20:.0f} MiB"
 
 
 # ------------------------------------------------------------------------------------------------- image files
