@@ -37,7 +37,7 @@ import markupsafe
 from jinja2 import nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedFormatter, SecurityError
-from jinja2.utils import Namespace
+from jinja2.utils import Namespace, missing
 from jinja2.visitor import NodeTransformer
 
 from .config import inside_folder
@@ -61,6 +61,7 @@ MAX_ITEMS = 2**17  # items of one list, tuple or dict a template builds (the sor
 MAX_WORD_TEXT = 2**17  # characters a filter that runs Python code per word takes (wordwrap: about 0.06 s)
 MAX_INT_BITS = 4096  # a template counts images and turns; it never needs numbers near this size
 MAX_ROUND_DIGITS = 400  # round's precision (a float has at most 309 digits before its point)
+MAX_NAME = 256  # characters of a filter, test or attribute name given to a filter (jinja2 splits and quotes them)
 # What one render may build in all, in bytes as _text and _items count them: a base, and more per character of the
 # conversation, which Qwen's templates copy about 7 times (so a prompt of MAX_TEXT characters still renders).
 MAX_BUILT = 32 * 2**20
@@ -491,6 +492,14 @@ def _indented_cost(text: Any, width: int | str) -> int:
     return _items(lines) + 3 * _text(size)
 
 
+def _names_cost(*names: Any) -> int:
+    """Refuses a filter, test or attribute name longer than MAX_NAME: jinja2 splits one at each dot and quotes one it
+    cannot find in its error."""
+    if any(isinstance(name, str) and len(name) > MAX_NAME for name in names):
+        raise TemplateLimitError(f"a filter, test or attribute name is over {MAX_NAME} characters")
+    return 0
+
+
 def _free(*_: Any, **__: Any) -> int:
     return 0
 
@@ -533,16 +542,18 @@ _STR_METHODS: dict[str, Callable[..., int]] = {
 }
 _CONTEXT_KEYWORDS = ("_loop_vars", "_block_vars")  # what compiled templates pass to every call, for jinja2's own use
 # The methods a template may call on the conversation's values; no method of a number (int.to_bytes builds bytes of
-# any length).
+# any length), nor list.index (its error quotes its argument).
 _METHODS = ((str, frozenset(_STR_METHODS)), (dict, frozenset(("get", "items", "keys", "values"))),
-            ((list, tuple), frozenset(("count", "index"))), ((int, float), frozenset()))
+            ((list, tuple), frozenset(("count",))), ((int, float), frozenset()))
 
 # Each filter kept, with the cost of its result from its arguments (as jinja2's signature for it names them);
 # filters not listed (urlize, pprint) are removed.
 _FILTER_COSTS: dict[str, Callable[[dict[str, Any]], int]] = {
     # a number, an item, or a generator whose items are counted as they come (see _produced)
-    **dict.fromkeys(("abs", "attr", "count", "d", "default", "first", "items", "last", "length", "map", "random",
-                     "reject", "rejectattr", "safe", "select", "selectattr", "tojson"), _free),  # safe, tojson: ours
+    **dict.fromkeys(("abs", "attr", "count", "d", "default", "first", "items", "last", "length", "random", "safe",
+                     "tojson"), _free),  # safe, tojson: ours
+    **dict.fromkeys(("map", "reject", "rejectattr", "select", "selectattr"),
+                    lambda a: _names_cost(*a["args"][:1], a["kwargs"].get("attribute"))),
     "float": lambda a: _failed_number_cost(a["value"]),
     "int": lambda a: _failed_number_cost(a["value"]),
     "filesizeformat": lambda a: _failed_number_cost(a["value"]),
@@ -563,15 +574,16 @@ _FILTER_COSTS: dict[str, Callable[[dict[str, Any]], int]] = {
     "xmlattr": lambda a: _word_by_word("xmlattr", a["d"]) + _text(6 * _text_size(a["d"])),
     "replace": lambda a: _text(_replaced_size(*map(_as_text, (a["s"], a["old"], a["new"])), a["count"])),
     "format": lambda a: _text(_percent_size(_as_text(a["value"]), a["kwargs"] or a["args"])),
-    "join": lambda a: 2 * _joined_cost(a["value"], _as_text(a["d"])),  # each item's text, then the joined text
+    "join": lambda a: _names_cost(a["attribute"]) + 2 * _joined_cost(a["value"], _as_text(a["d"])),  # items, result
     "list": lambda a: _items(len(a["value"])),
     "reverse": lambda a: _text(len(a["value"])) if isinstance(a["value"], str) else _items(len(a["value"])),
     "batch": lambda a: _items(len(a["value"])) + _items(a["linecount"]),
     "slice": lambda a: _items(len(a["value"])) + _items(a["slices"]),
-    **dict.fromkeys(("max", "min", "sort", "unique"), lambda a: _ordering_cost(a["value"])),
+    **dict.fromkeys(("max", "min", "sort", "unique"),
+                    lambda a: _names_cost(a["attribute"]) + _ordering_cost(a["value"])),
     "dictsort": lambda a: _ordering_cost(a["value"].items()),
-    "groupby": lambda a: 2 * _ordering_cost(a["value"]),
-    "sum": lambda a: _summing_cost(a["start"]),
+    "groupby": lambda a: _names_cost(a["attribute"]) + 2 * _ordering_cost(a["value"]),
+    "sum": lambda a: _names_cost(a["attribute"]) + _summing_cost(a["start"]),
 }
 
 
@@ -762,6 +774,16 @@ class _Sandbox(ImmutableSandboxedEnvironment):
         return _number(super().call_binop(context, operator, left, right))
 
 
+class _Undefined(jinja2.Undefined):
+    """jinja2's Undefined, keeping only the start of a long name: its errors quote the name."""
+
+    __slots__ = ()
+
+    def __init__(self, hint: str | None = None, obj: Any = missing, name: str | None = None,
+                 exc: type[jinja2.TemplateRuntimeError] = jinja2.UndefinedError):
+        super().__init__(hint, obj, name[:MAX_NAME] if isinstance(name, str) else name, exc)
+
+
 def _raise_exception(message: Any) -> None:
     raise RaisedByTemplate(_as_text(message)[:500])
 
@@ -793,7 +815,7 @@ def _tojson(value: Any, indent: int | str | None = None, ensure_ascii: bool = Fa
 
 def _environment() -> _Sandbox:
     # trim_blocks and lstrip_blocks: the whitespace handling Qwen's templates are written for.
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, autoescape=False, finalize=_as_text,
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, autoescape=False, finalize=_as_text, undefined=_Undefined,
                    extensions=["jinja2.ext.loopcontrols", _Guards])
     env.globals["raise_exception"] = _raise_exception
     env.globals["dict"] = _dict

@@ -287,6 +287,7 @@ HOSTILE = {
     "format string": ("{{ '{0.__class__.__mro__}'.format(messages) }}", "SecurityError"),
     "list mutation": ("{% set found = [] %}{{ found.append(messages) }}", "'append' of a list is not allowed"),
     "dict type methods": ("{{ dict.fromkeys(range(100000)) }}", "has no attribute 'fromkeys'"),
+    "list.index": ("{{ [1].index('x') }}", "'index' of a list is not allowed"),  # its error quotes its argument
     # methods and helpers without a bound are not there
     "encode": ("{{ 'x'.encode('utf-32') * 999999999 }}", "'encode' of a str is not allowed"),
     "to_bytes": ("{{ (1).to_bytes(999999999, 'big') }}", "'to_bytes' of a int is not allowed"),
@@ -366,6 +367,10 @@ HOSTILE = {
     "round to huge precision": ("{{ 12345|round(-999999999, 'floor') }}", "round's precision"),
     "urlize": ("{{ 'a.com'|urlize }}", "No filter named 'urlize'"),
     "pprint": ("{{ [1]|pprint }}", "No filter named 'pprint'"),
+    # names a failure quotes or splits
+    "undefined with a long name": ("{% set s = '\x00' * 16000000 %}{{ messages[s].content }}", "has no attribute"),
+    "long attribute name": ("{% set s = '.' * 16000000 %}{{ messages|map(attribute=s)|list }}", "name is over 256"),
+    "long filter name": ("{% set s = '\x00' * 16000000 %}{{ messages|map(s)|list }}", "name is over 256"),
     # a generator's items are counted, whoever consumes them
     "unpacked generator": ("{% macro m() %}{{ varargs|length }}{% endmacro %}{{ m(*(('ab' * 8000000)|select)) }}",
                            TOO_MUCH),
