@@ -604,11 +604,27 @@ def _concatenated(values: Iterable[Any]) -> str:
     return "".join(texts)
 
 
-def _ticking(items: Iterable[Any]) -> Iterator[Any]:
-    """The items, checking the deadline at each: what every `for` loop iterates through."""
-    for item in items:
-        _tick()
-        yield item
+class _Ticking:
+    """An iterable's items, checking the deadline at each: what every `for` loop iterates through. It has the
+    iterable's length, so loop.length and loop.revindex need not gather the items into a list."""
+
+    def __init__(self, items: Iterable[Any]):
+        self.items = items
+
+    def __iter__(self) -> Iterator[Any]:
+        for item in self.items:
+            _tick()
+            yield item
+
+    def __len__(self) -> int:
+        return len(self.items)  # a TypeError for an iterator, whose items a loop then gathers (see _produced)
+
+
+def _written(pieces: int) -> str:
+    """Counts the pieces an output statement is about to write (into a macro's or block's list of pieces, which
+    compiled templates append to directly); writes nothing itself."""
+    _spend(_items(pieces))
+    return ""
 
 
 def _sliced(value: Any, start: Any, stop: Any, step: Any) -> Any:
@@ -659,18 +675,20 @@ def _bounded_filter(name: str, function: Callable[..., Any]) -> Callable[..., An
 
 
 class _Guards(Extension):
-    """Holds what a compiled template's `for` loops, `~` and slices go through (see _Guarded); reached through the
-    environment's extensions, so a template cannot shadow them."""
+    """Holds what a compiled template's `for` loops, `~`, slices and output statements go through (see _Guarded);
+    reached through the environment's extensions, so a template cannot shadow them."""
 
-    ticking = staticmethod(_ticking)
+    ticking = _Ticking
     concatenated = staticmethod(_concatenated)
     sliced = staticmethod(_sliced)
+    written = staticmethod(_written)
 
 
 class _Guarded(NodeTransformer):
-    """A parsed template with each `for` loop iterating through _ticking, so loops that call nothing still check the
-    deadline, and each `~` and slice going through _concatenated and _sliced (jinja2 compiles both to plain Python,
-    bounding nothing). Autoescape blocks are refused: their Markup strings escape what they touch, growing it."""
+    """A parsed template with each `for` loop iterating through _Ticking, so loops that call nothing still check the
+    deadline, each `~` and slice going through _concatenated and _sliced, and each output statement counting its
+    pieces through _written (jinja2 compiles these to plain Python, bounding nothing). Autoescape blocks are refused:
+    their Markup strings escape what they touch, growing it."""
 
     def visit_For(self, node: nodes.For) -> nodes.Node:
         node = self.generic_visit(node)
@@ -680,6 +698,11 @@ class _Guarded(NodeTransformer):
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
         node = self.generic_visit(node)
         return self._through("concatenated", [nodes.Tuple(node.nodes, "load", lineno=node.lineno)], node.lineno)
+
+    def visit_Output(self, node: nodes.Output) -> nodes.Node:
+        node = self.generic_visit(node)
+        node.nodes.insert(0, self._through("written", [nodes.Const(len(node.nodes) + 1)], node.lineno))
+        return node
 
     def visit_Getitem(self, node: nodes.Getitem) -> nodes.Node:
         node = self.generic_visit(node)
@@ -808,7 +831,7 @@ def _tojson(value: Any, indent: int | str | None = None, ensure_ascii: bool = Fa
     between = len(encoder.item_separator) + len(encoder.key_separator)
     _spend(_text(level) + _text(_text_size(value, quoted=True, separators=between, indent=level)))
     text = io.StringIO()
-    for piece in _ticking(encoder.iterencode(value)):
+    for piece in _Ticking(encoder.iterencode(value)):
         text.write(piece)
     return text.getvalue()
 

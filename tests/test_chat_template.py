@@ -299,11 +299,15 @@ HOSTILE = {
     "recursive loop": ("{% for m in messages recursive %}{{ loop(messages) }}{% endfor %}", "recurses without end"),
     "nested loops": ("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}", TOO_SLOW),
     "many outputs": ("{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}{% endfor %}",
-                     TOO_LONG_PROMPT),
+                     f"{TOO_LONG_PROMPT}|{TOO_SLOW}"),
     "a prompt far longer than its conversation": ("{{ 'x' * 1000000 }}", TOO_LONG_PROMPT),  # tokenizing: 0.8 s
     "macro of many outputs": ("{% macro m() %}{% for a in range(100000) %}{% for b in range(100000) %}x{% endfor %}"
-                              "{% endfor %}{% endmacro %}{{ m() }}", TOO_SLOW),
-    "loop length of a long string": ("{% for c in 'x' * 16000000 %}{{ loop.length }}{% endfor %}", TOO_SLOW),
+                              "{% endfor %}{% endmacro %}{{ m() }}", f"{TOO_MUCH}|{TOO_SLOW}"),
+    # each piece a macro writes is counted (uncounted, 500 output statements a step gathered 441 MiB)
+    "macro of many output statements": ("{% macro m() %}{% for i in range(100000) %}"
+                                        + "x{% if i %}{% endif %}" * 500 + "{% endfor %}{% endmacro %}{{ m() }}",
+                                        f"{TOO_MUCH}|{TOO_SLOW}"),
+    "loop length of a long string": ("{% for c in 'x' * 16000000 %}{{ loop.length }}{% endfor %}", TOO_LONG_PROMPT),
     "numbers written in a loop": ("{% macro m() %}{% for a in range(100000) %}{% for b in range(100000) %}{{ b }}"
                                   "{% endfor %}{% endfor %}{% endmacro %}{{ m() }}", f"{TOO_MUCH}|{TOO_SLOW}"),
     # strings grown by operators (`~` was never checked: 4 G characters, 6.5 GB, 16 s)
