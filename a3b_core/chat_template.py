@@ -549,7 +549,7 @@ _METHODS = ((str, frozenset(_STR_METHODS)), (dict, frozenset(("get", "items", "k
 # Each filter kept, with the cost of its result from its arguments (as jinja2's signature for it names them);
 # filters not listed (urlize, pprint) are removed.
 _FILTER_COSTS: dict[str, Callable[[dict[str, Any]], int]] = {
-    # a number, an item, or a generator whose items are counted as they come (see _produced)
+    # a number, an item, or a generator (read into a list, counted: see _materialized)
     **dict.fromkeys(("abs", "attr", "count", "d", "default", "first", "items", "last", "length", "random", "safe",
                      "tojson"), _free),  # safe, tojson: ours
     **dict.fromkeys(("map", "reject", "rejectattr", "select", "selectattr"),
@@ -617,12 +617,18 @@ class _Ticking:
             yield item
 
     def __len__(self) -> int:
-        return len(self.items)  # a TypeError for an iterator, whose items a loop then gathers (see _produced)
+        return len(self.items)  # a TypeError for an iterator (a loop over a loop), whose items a loop then gathers
+
+
+def _built(value: Any) -> Any:
+    """A list, tuple or dict the template's text writes out, counted as built (in a loop, many may be kept)."""
+    _spend(_items(len(value)))
+    return value
 
 
 def _written(pieces: int) -> str:
-    """Counts the pieces an output statement is about to write (into a macro's or block's list of pieces, which
-    compiled templates append to directly); writes nothing itself."""
+    """Counts the pieces an output statement is about to add to a macro's or block's list of pieces (which compiled
+    templates append to directly); writes nothing itself."""
     _spend(_items(pieces))
     return ""
 
@@ -639,17 +645,10 @@ def _sliced(value: Any, start: Any, stop: Any, step: Any) -> Any:
     return value[part]
 
 
-def _produced(items: Iterator[Any]) -> Iterator[Any]:
-    """A filter's generator, each item counted as a value built (a batch, a pair, a mapped value) as it comes, so no
-    consumer (a call's *args, dict(), `in`) can gather more than the allowance."""
-    for item in items:
-        _spend(VALUE_BYTES)
-        yield item
-
-
 def _materialized(value: Any) -> Any:
-    """An iterator (a generator, a loop) read into a list of at most MAX_ITEMS items, so the size of what is built
-    from it can be bounded; any other value as it is."""
+    """An iterator (a generator, a loop) read into a list of at most MAX_ITEMS items, counted as built; any other value
+    as it is. Filters' generators are read at once, so what they yield is bounded like any list, and what a filter or
+    method is given has a size to bound."""
     if not isinstance(value, Iterator):
         return value
     items = list(itertools.islice(value, MAX_ITEMS + 1))
@@ -658,8 +657,8 @@ def _materialized(value: Any) -> Any:
 
 
 def _bounded_filter(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
-    """A filter whose result's size is bounded (by _FILTER_COSTS) before it runs; filters are called directly by
-    compiled templates, not through the sandbox's call."""
+    """A filter whose result's size is bounded (by _FILTER_COSTS) before it runs, a generator it returns read into a
+    list; filters are called directly by compiled templates, not through the sandbox's call."""
     signature, cost = inspect.signature(function), _FILTER_COSTS[name]
 
     @functools.wraps(function)  # keeps jinja2's pass_context/pass_environment marks
@@ -670,7 +669,7 @@ def _bounded_filter(name: str, function: Callable[..., Any]) -> Callable[..., An
         arguments.apply_defaults()
         _spend(cost(arguments.arguments))
         result = function(*args, **kwargs)
-        return _produced(result) if isinstance(result, GeneratorType) else result
+        return _materialized(result) if isinstance(result, GeneratorType) else result
     return bounded
 
 
@@ -682,13 +681,27 @@ class _Guards(Extension):
     concatenated = staticmethod(_concatenated)
     sliced = staticmethod(_sliced)
     written = staticmethod(_written)
+    built = staticmethod(_built)
 
 
 class _Guarded(NodeTransformer):
     """A parsed template with each `for` loop iterating through _Ticking, so loops that call nothing still check the
-    deadline, each `~` and slice going through _concatenated and _sliced, and each output statement counting its
-    pieces through _written (jinja2 compiles these to plain Python, bounding nothing). Autoescape blocks are refused:
-    their Markup strings escape what they touch, growing it."""
+    deadline; each `~`, slice and list, tuple or dict it writes out going through _concatenated, _sliced and _built;
+    and each output statement whose pieces are gathered in a list (in a macro, a block, a {% set %} or {% filter %}
+    block, a recursive loop) counting them through _written. jinja2 compiles all these to plain Python, bounding
+    nothing. Autoescape blocks are refused: their Markup strings escape what they touch, growing it."""
+
+    def __init__(self) -> None:
+        self.gathering = 0  # how many statements around the node being visited gather their output in a list
+
+    def generic_visit(self, node: nodes.Node, *args: Any, **kwargs: Any) -> nodes.Node:
+        gathers = isinstance(node, (nodes.Macro, nodes.CallBlock, nodes.FilterBlock, nodes.AssignBlock, nodes.Block))
+        gathers |= isinstance(node, nodes.For) and node.recursive
+        self.gathering += gathers
+        try:
+            return super().generic_visit(node, *args, **kwargs)
+        finally:
+            self.gathering -= gathers
 
     def visit_For(self, node: nodes.For) -> nodes.Node:
         node = self.generic_visit(node)
@@ -701,8 +714,18 @@ class _Guarded(NodeTransformer):
 
     def visit_Output(self, node: nodes.Output) -> nodes.Node:
         node = self.generic_visit(node)
-        node.nodes.insert(0, self._through("written", [nodes.Const(len(node.nodes) + 1)], node.lineno))
+        if self.gathering:  # the template's own output goes to render(), bounded by the prompt's length
+            node.nodes.insert(0, self._through("written", [nodes.Const(len(node.nodes) + 1)], node.lineno))
         return node
+
+    def visit_List(self, node: nodes.List) -> nodes.Node:
+        return self._through("built", [self.generic_visit(node)], node.lineno)
+
+    visit_Dict = visit_List
+
+    def visit_Tuple(self, node: nodes.Tuple) -> nodes.Node:
+        node = self.generic_visit(node)
+        return self._through("built", [node], node.lineno) if node.ctx == "load" else node
 
     def visit_Getitem(self, node: nodes.Getitem) -> nodes.Node:
         node = self.generic_visit(node)
@@ -764,8 +787,8 @@ class _Sandbox(ImmutableSandboxedEnvironment):
             args = tuple(map(_materialized, args))
             kwargs = {key: _materialized(value) for key, value in kwargs.items() if key not in _CONTEXT_KEYWORDS}
             _spend(_STR_METHODS[__obj.__name__](__obj.__self__, *args, **kwargs))
-        else:
-            _tick()
+        else:  # a macro, a helper (namespace, dict, cycler) or a dict's method: what it makes may keep its arguments
+            _spend(_items(len(args) + len(kwargs)))
         return super().call(__context, __obj, *args, **kwargs)
 
     def getattr(self, obj: Any, attribute: str) -> Any:

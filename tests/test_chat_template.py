@@ -375,11 +375,16 @@ HOSTILE = {
     "undefined with a long name": ("{% set s = '\x00' * 16000000 %}{{ messages[s].content }}", "has no attribute"),
     "long attribute name": ("{% set s = '.' * 16000000 %}{{ messages|map(attribute=s)|list }}", "name is over 256"),
     "long filter name": ("{% set s = '\x00' * 16000000 %}{{ messages|map(s)|list }}", "name is over 256"),
-    # a generator's items are counted, whoever consumes them
+    # a filter's generator is read into a list at once, whoever consumes it
     "unpacked generator": ("{% macro m() %}{{ varargs|length }}{% endmacro %}{{ m(*(('ab' * 8000000)|select)) }}",
-                           TOO_MUCH),
-    "in a generator": ("{{ 'z' in ('ab' * 8000000)|select }}", TOO_MUCH),
-    "dict of a generator": ("{{ dict(('ab' * 8000000)|map('center', 2)) }}", f"{TOO_MUCH}|{TOO_SLOW}"),
+                           TOO_MANY),
+    "in a generator": ("{{ 'z' in ('ab' * 8000000)|select }}", TOO_MANY),
+    "dict of a generator": ("{{ dict(('ab' * 8000000)|map('center', 2)) }}", f"{TOO_MANY}|{TOO_SLOW}"),
+    # values the template's text writes out, kept in a loop, are counted
+    "nested lists kept": ("{% set ns = namespace(l=none) %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                          "{% set ns.l = [ns.l] %}{% endfor %}{% endfor %}", f"{TOO_MUCH}|{TOO_SLOW}"),
+    "namespaces kept": ("{% set ns = namespace(l=none) %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                        "{% set ns.l = namespace(a=ns.l) %}{% endfor %}{% endfor %}", f"{TOO_MUCH}|{TOO_SLOW}"),
 }
 PEAK_BYTES = 128 * 2**20  # the allowance (32 MiB) and a string or list in flight, with room; the bypasses took GBs
 CPU_SECONDS = 3 * RENDER_SECONDS  # the deadline, and the longest single step the caps allow (about 0.5 s), with room
