@@ -4,14 +4,14 @@ tokenizer_config.json), rendered in a sandbox.
 Every released Qwen model folder ships its template, and fine-tunes edit it, so a folder's template is what the model
 was trained to read. A template is untrusted text: it is compiled once, at load, in jinja2's immutable sandbox (no
 attribute starting with an underscore, no method that changes a list or dict), with the helpers Qwen's templates use
-(raise_exception, tojson, loop controls). Rendering is bounded before the work is done: every step that builds a
-string or a list (operators, filters, str methods, formatting, slicing, output) computes the size of its result from
-its operands first, and is refused past the caps on one value (MAX_TEXT, MAX_ITEMS, MAX_INT_BITS) or on all that a
-render builds (MAX_BUILT, plus BUILT_PER_CHARACTER per character of the conversation); loop steps, calls, attribute
-reads and operations check the CPU time spent, and no single step the caps allow runs long past it; recursion ends in
-an error. The prompt may be at most twice the conversation's text plus PROMPT_EXTRA characters (so tokenizing it costs
-about what the conversation does), and a template MAX_TEMPLATE_CHARACTERS (so compiling it is quick). Every failure is
-a ChatTemplateError naming the file and pointing at the built-in template.
+(raise_exception, tojson, loop controls). Rendering is bounded before the work is done: every step that builds a string
+or a list (operators, filters, str methods, formatting, slicing, literals, calls, output) computes the size of its
+result from its operands first, and is refused past the caps on one value (MAX_TEXT, MAX_ITEMS, MAX_INT_BITS) or on all
+that a render builds (MAX_BUILT, plus BUILT_PER_CHARACTER per character of the conversation); loop steps, calls,
+attribute reads and operations check the CPU time spent, and no single step the caps allow runs long past it; recursion
+ends in an error. The prompt may be at most twice the conversation's text plus PROMPT_EXTRA characters (so tokenizing it
+costs about what the conversation does), and a template MAX_TEMPLATE_CHARACTERS (so compiling it is quick). Every
+failure is a ChatTemplateError naming the file and pointing at the built-in template.
 """
 from __future__ import annotations
 
@@ -674,8 +674,9 @@ def _bounded_filter(name: str, function: Callable[..., Any]) -> Callable[..., An
 
 
 class _Guards(Extension):
-    """Holds what a compiled template's `for` loops, `~`, slices and output statements go through (see _Guarded);
-    reached through the environment's extensions, so a template cannot shadow them."""
+    """Holds what a compiled template's `for` loops, `~`, slices, literal lists, tuples and dicts, and output
+    statements go through (see _Guarded); reached through the environment's extensions, so a template cannot shadow
+    them."""
 
     ticking = _Ticking
     concatenated = staticmethod(_concatenated)
