@@ -14,23 +14,11 @@ from a3b_core.__main__ import main as cli
 from a3b_core.errors import ConfigError
 from a3b_core.remote import RemoteChat, _thinking_switch
 from nodes.prompt_spec import SINGLE, THINKING_MODES, PromptSpec, build_prompts
+from tests.test_chat_template import QWEN3_5_TEMPLATE, folder, load  # noqa: F401 (folder: a fixture)
 
-QWEN3_5_TEMPLATE = Path(__file__).parent / "data" / "qwen3_5_chat_template.jinja"
 HEART = Path(__file__).parent.parent / "workflows" / "inputs" / "a3b_pixel_art" / "a3b_pixel_heart.png"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture
-def folder(tmp_path, fixtures) -> Path:
-    """A copy of the tiny Qwen3.5 MoE folder, which ships no chat template and no a3b_default_thinking."""
-    copy = tmp_path / "model"
-    shutil.copytree(fixtures.moe_hf, copy)
-    return copy
-
-
-def load(folder: Path, **options):
-    return load_model(folder, preset="cpu", compute_dtype="float32", **options)
 
 
 def set_config(folder: Path, **fields) -> None:
