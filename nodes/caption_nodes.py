@@ -23,7 +23,8 @@ class A3BSaveCaptions(io.ComfyNode):
             display_name="A3B Save Captions",
             category=CATEGORY,
             description="Writes one .txt caption file per image into ComfyUI's output folder (or a subfolder of "
-                        "it), named like the image or numbered: the layout LoRA trainers read.",
+                        "it), named like the image or numbered: the layout LoRA trainers read; optionally one more "
+                        "file with every caption in order (e.g. a storyboard's shot list).",
             is_input_list=True,  # all captions of a run arrive together, so numbering and name checks see them all
             is_output_node=True,
             inputs=[
@@ -45,16 +46,23 @@ class A3BSaveCaptions(io.ComfyNode):
                 io.Combo.Input("if_exists", options=IF_EXISTS, default="skip",
                                tooltip="skip: keep an existing caption file untouched (e.g. one you edited). "
                                        "overwrite: replace it."),
+                # last, and optional: workflows saved before it existed keep their widget values in place (the UI
+                # assigns them by position) and API graphs without it still validate
+                io.String.Input("combined_file", default="", optional=True,
+                                tooltip="Optional: the name of one more file in the same subfolder that gets every "
+                                        "caption in order, one per line as '<name>: <caption>' (e.g. 'shot_list' "
+                                        "for shot_list.txt). A plain name; if_exists applies to it too. Leave "
+                                        "empty for none."),
             ],
         )
 
     @classmethod
     def execute(cls, captions: list[str], subfolder: list[str], names: list[str], filename_prefix: list[str],
-                trigger_word: list[str], if_exists: list[str]) -> io.NodeOutput:
+                trigger_word: list[str], if_exists: list[str], combined_file: list[str] | None = None) -> io.NodeOutput:
         if if_exists[0] not in IF_EXISTS:  # ComfyUI 0.3.75 does not check V3 combo values itself
             raise ConfigError(f"if_exists is {if_exists[0]!r}; expected one of {IF_EXISTS}.")
         summary = save_captions(bridge.output_directory(), captions, subfolder[0], names[0], filename_prefix[0],
-                                trigger_word[0], if_exists[0] == "overwrite")
+                                trigger_word[0], if_exists[0] == "overwrite", (combined_file or [""])[0])
         return io.NodeOutput(ui={"a3b_saved": [summary]})
 
 

@@ -18,18 +18,46 @@ WINDOWS_DEVICES = {"CON", "PRN", "AUX", "NUL", *(f"COM{i}" for i in range(1, 10)
 
 
 def save_captions(output_root: str | Path, captions: Sequence[str], subfolder: str, names: str, prefix: str,
-                  trigger_word: str, overwrite: bool) -> str:
-    """Writes one caption file per caption (A3B Save Captions) and returns the summary the node shows. Every file's
-    path is checked before the first one is written."""
+                  trigger_word: str, overwrite: bool, combined_file: str = "") -> str:
+    """Writes one caption file per caption (A3B Save Captions), and with `combined_file` one more file holding every
+    caption in order, and returns the summary the node shows. Every file's path is checked before the first one is
+    written."""
     root = Path(output_root).resolve()
     folder = confined_folder(root, subfolder)
     stems = caption_stems(names, len(captions), prefix)
-    paths = [confined_file(root, folder / f"{stem}{SUFFIX}") for stem in stems]
+    texts = [caption_text(caption, trigger_word) for caption in captions]
+    files = {f"{stem}{SUFFIX}": text for stem, text in zip(stems, texts)}
+    combined = combined_file_name(combined_file, list(files))
+    if combined is not None:
+        files[combined] = combined_text(stems, texts)
+    paths = {name: confined_file(root, folder / name) for name in files}
     lines = []
-    for path, caption in zip(paths, captions):
-        written = write_text_atomic(path, caption_text(caption, trigger_word), overwrite)
-        lines.append(f"{'saved' if written else 'skipped (exists)'}: {path.name}")
+    for name, text in files.items():
+        written = write_text_atomic(paths[name], text, overwrite)
+        lines.append(f"{'saved' if written else 'skipped (exists)'}: {name}")
     return f"{folder}\n" + "\n".join(lines)
+
+
+def combined_file_name(combined_file: str, caption_files: list[str]) -> str | None:
+    """The combined file's name (`combined_file`, with .txt added unless it ends so), or None when it is empty; one
+    plain name that is none of `caption_files`."""
+    _refuse_control_characters(combined_file, "combined_file")
+    name = combined_file.strip()
+    if not name:
+        return None
+    name = name if name.lower().endswith(SUFFIX) else name + SUFFIX
+    _check_file_name(name, f"combined_file {combined_file!r}")
+    # Windows and macOS file systems ignore case: "Shots.txt" there is the file "shots.txt"
+    if name.casefold() in {other.casefold() for other in caption_files}:
+        raise ConfigError(f"combined_file {combined_file!r} gives the file name {name!r}, which is also one image's "
+                          "caption file. Pick another name, e.g. 'shot_list'.")
+    return name
+
+
+def combined_text(stems: list[str], texts: list[str]) -> str:
+    """Every caption file's text in order, one line each, as `<stem>: <text>` (a text's own lines joined by
+    spaces)."""
+    return "".join(f"{stem}: {' '.join(text.strip().splitlines())}\n" for stem, text in zip(stems, texts))
 
 
 def _refuse_control_characters(text: str, what: str) -> None:

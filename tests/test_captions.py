@@ -1,6 +1,6 @@
-"""A3B Save Captions without ComfyUI: every caption file lands inside the output folder (after links are resolved),
-names follow the images or are numbered, files are written atomically with ordinary permissions, and every bad input
-is a ConfigError that names the input and the fix."""
+"""A3B Save Captions without ComfyUI: every caption file, and the optional combined file, lands inside the output
+folder (after links are resolved), names follow the images or are numbered, files are written atomically with
+ordinary permissions, and every bad input is a ConfigError that names the input and the fix."""
 from __future__ import annotations
 
 import os
@@ -35,8 +35,8 @@ def tree(folder: Path) -> dict[str, str]:
 
 
 def save(output: Path, captions: list[str], subfolder: str = "caps", names: str = "", prefix: str = "caption",
-         overwrite: bool = True) -> str:
-    return save_captions(str(output), captions, subfolder, names, prefix, "", overwrite)
+         overwrite: bool = True, combined: str = "", trigger_word: str = "") -> str:
+    return save_captions(str(output), captions, subfolder, names, prefix, trigger_word, overwrite, combined)
 
 
 def refused(output: Path, match: str, **inputs) -> str:
@@ -235,6 +235,64 @@ def test_save_captions_skips_or_overwrites_and_says_which(output: Path) -> None:
     assert (output / "caps" / "slime.txt").read_text() == "edited\n"
     save(output, ["a red knight", "a green slime"], names="knight.png\nslime.png", overwrite=True)
     assert tree(output / "caps") == {"knight.txt": "a red knight\n", "slime.txt": "a green slime\n"}
+
+
+# --- the combined file ---------------------------------------------------------------------------------------------
+
+def test_the_combined_file_holds_every_caption_in_order_beside_the_caption_files(output: Path) -> None:
+    summary = save(output, ["a knight", "a slime\nin a cave", "a tree"], names="knight.png\nslime.png\ntree.png",
+                   combined="shot_list", trigger_word="pxl")
+    assert tree(output / "caps") == {
+        "knight.txt": "pxl, a knight\n", "slime.txt": "pxl, a slime\nin a cave\n", "tree.txt": "pxl, a tree\n",
+        "shot_list.txt": "knight: pxl, a knight\nslime: pxl, a slime in a cave\ntree: pxl, a tree\n"}
+    assert summary.splitlines()[-1] == "saved: shot_list.txt"
+
+
+def test_the_combined_file_names_numbered_captions_and_keeps_a_txt_name(output: Path) -> None:
+    save(output, ["a knight", "a slime"], prefix="shot", combined=" Shots.TXT ")
+    assert (output / "caps" / "Shots.TXT").read_text() == "shot_00001: a knight\nshot_00002: a slime\n"
+
+
+@pytest.mark.parametrize("combined", ["", "   "])
+def test_an_empty_combined_file_writes_none(output: Path, combined: str) -> None:
+    save(output, ["a knight"], prefix="shot", combined=combined)
+    assert tree(output / "caps") == {"shot_00001.txt": "a knight\n"}
+
+
+def test_the_combined_file_is_skipped_or_overwritten_like_the_caption_files(output: Path) -> None:
+    save(output, ["a knight"], names="knight.png", combined="shots", overwrite=False)
+    (output / "caps" / "shots.txt").write_text("edited\n")
+    summary = save(output, ["a red knight"], names="knight.png", combined="shots", overwrite=False)
+    assert summary.splitlines()[1:] == ["skipped (exists): knight.txt", "skipped (exists): shots.txt"]
+    assert (output / "caps" / "shots.txt").read_text() == "edited\n"
+    save(output, ["a red knight"], names="knight.png", combined="shots", overwrite=True)
+    assert (output / "caps" / "shots.txt").read_text() == "knight: a red knight\n"
+
+
+@pytest.mark.parametrize("combined, match", [
+    ("../shots", "plain name"), ("../../outside/victim", "plain name"), ("/tmp/shots", "plain name"),
+    ("sub/shots", "plain name"), ("..\\shots", "plain name"), ("C:shots", "plain name"), ("C:\\shots", "plain name"),
+    ("shots:1", "Windows"), ("what?", "Windows"), ("con", "device CON"), ("NUL.txt", "device NUL"),
+    ("shots\0x", "control character"), ("shots\ntwo", "control character"), ("s" * (NAME_MAX - 3), "255 bytes"),
+    ("knight", "also one image's caption file"), ("KNIGHT.txt", "also one image's caption file")])
+def test_a_hostile_combined_file_name_is_refused_and_nothing_is_written(output: Path, combined: str,
+                                                                       match: str) -> None:
+    message = refused(output, f"combined_file.*{match}", names="knight.png", combined=combined)
+    assert repr(combined) in message
+
+
+def test_a_combined_file_name_that_numbered_captions_take_is_refused(output: Path) -> None:
+    refused(output, "combined_file.*also one image's caption file", captions=["a", "b"], combined="caption_00002")
+
+
+def test_a_link_or_a_folder_at_the_combined_file_is_refused_in_both_modes(output: Path) -> None:
+    (output / "caps").mkdir()
+    (output / "caps" / "shots.txt").symlink_to(output.parent / "outside" / "victim.txt")
+    (output / "caps" / "folder.txt").mkdir()
+    for overwrite in (True, False):
+        assert "shots.txt" in refused(output, "outside ComfyUI's output folder", combined="shots", overwrite=overwrite)
+        assert "folder.txt" in refused(output, "is a folder", combined="folder", overwrite=overwrite)
+    assert (output.parent / "outside" / "victim.txt").read_text() == "mine\n"
 
 
 # --- atomic writes -----------------------------------------------------------------------------------------------
