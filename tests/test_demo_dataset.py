@@ -9,7 +9,8 @@ from a3b_core.demo import dataset
 from a3b_core.demo.build_tokenizer import DEMO_VOCAB_SIZE, build_demo_tokenizer
 from a3b_core.demo.dataset import (BACKGROUND_QUESTION, COLOURS, COUNT_QUESTION, EMPTY_CELL_ANSWER, IMAGE_SIZE,
                                    PIXEL_ART_GRID, POSITIONS, SHAPES, SIZE_RANGES, SIZES, Scene, Shape, describe,
-                                   grid_line_level, make_sample, make_samples, parse_caption, random_scene)
+                                   describe_shot, grid_line_level, make_sample, make_samples, mood, parse_caption,
+                                   parse_shot, random_scene)
 from a3b_core.tokenizer import SPECIAL_TOKENS, THINK_TOKENS
 
 
@@ -82,6 +83,53 @@ def test_caption_grammar_examples():
 ])
 def test_text_off_the_grammar_does_not_parse(text):
     assert parse_caption(text) is None
+
+
+def test_shot_grammar_examples():
+    heart = Scene((Shape("heart", "red", "centre", "large"),), background="white", pixel_art=False)
+    assert describe_shot(heart) == ("a large red heart at the centre on a white background; close-up, eye level; "
+                                    "still; mood: bright")
+    night = Scene((Shape("star", "yellow", "top left", "small"), Shape("circle", "white", "bottom", "small")),
+                  background="black", pixel_art=True)
+    assert describe_shot(night) == ("pixel art of a small yellow star at the top left and a small white circle at the "
+                                    "bottom on a black background; wide shot, eye level; still; mood: dark")
+
+
+def test_every_shot_field_is_true_of_its_scene(samples):
+    assert {colour: mood(Scene((), colour, False)) for colour in COLOURS} == {
+        "red": "dark", "orange": "bright", "yellow": "bright", "green": "dark", "blue": "dark", "purple": "dark",
+        "white": "bright", "black": "dark"}
+    for s in samples:
+        large = any(shape.size == "large" for shape in s.shapes)
+        size = "close-up" if large else "wide shot"
+        assert describe_shot(s.scene) == f"{s.caption}; {size}, eye level; still; mood: {mood(s.scene)}"
+        assert parse_shot(describe_shot(s.scene)) == s.scene
+
+
+@pytest.mark.parametrize("text", [
+    "", "a large red heart at the centre on a white background",  # a caption is not a shot
+    "a large red heart at the centre on a white background; wide shot, eye level; still; mood: bright",  # untrue size
+    "a large red heart at the centre on a white background; close-up, eye level; still; mood: dark",  # untrue mood
+    "a large red heart at the centre on a white background; close-up, high angle; still; mood: bright",
+    "a large red heart at the centre on a white background; close-up, eye level; moving; mood: bright",
+    "a large red heart at the centre on a white background; close-up, eye level; still; mood: bright.",
+    "a large red heart at the middle on a white background; close-up, eye level; still; mood: bright",
+    "close-up, eye level: a large red heart at the centre on a white background; still; mood: bright",
+])
+def test_a_shot_off_the_grammar_or_untrue_of_its_scene_does_not_parse(text):
+    assert parse_shot(text) is None
+
+
+def test_a_shot_holds_its_caption_in_the_caption_words_tokens(tokenizer, samples):
+    """The storyboard answer's own words are spelled from the grammar's tokens (the vocabulary is the captions'),
+    and its caption is the caption's tokens, so the caption skill carries over to it."""
+    for s in samples:
+        shot = describe_shot(s.scene)
+        caption = tokenizer.encode(s.caption, add_special_tokens=False).ids
+        rest = tokenizer.encode(shot.removeprefix(s.caption), add_special_tokens=False).ids
+        assert tokenizer.encode(shot, add_special_tokens=False).ids == caption + rest
+        assert len(rest) <= 33  # 31 to 33 tokens after the caption
+        assert tokenizer.decode(caption + rest) == shot
 
 
 def test_scenes_are_canonical_and_never_overlap(samples):

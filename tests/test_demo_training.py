@@ -10,13 +10,15 @@ from a3b_core.demo import dataset, train
 from a3b_core.engine import load_model
 
 
-def short_run(out: Path, *options: str, steps: int = 2, video_steps: int = 2) -> tuple[Path, Path]:
+def short_run(out: Path, *options: str, steps: int = 2, video_steps: int = 2,
+              storyboard_steps: int = 2) -> tuple[Path, Path]:
     bf16, fp8 = out / "bf16", out / "fp8"
     train.main(["train", "--vision-steps", str(steps), "--steps", str(steps), "--batch", "2", "--warmup", "1",
                 "--validation", "2", "--video-steps", str(video_steps), "--video-clips", "1", "--video-scenes", "1",
                 "--video-warmup", "1", "--clip-validation", "2", "--eval-every", "2",
-                "--video-eval-every", "2", "--threads", str(torch.get_num_threads()), "--out", str(bf16),
-                "--out-fp8", str(fp8), *options])
+                "--video-eval-every", "2", "--storyboard-steps", str(storyboard_steps), "--storyboard-scenes", "1",
+                "--storyboard-clips", "1", "--storyboard-warmup", "1", "--storyboard-eval-every", "2",
+                "--threads", str(torch.get_num_threads()), "--out", str(bf16), "--out-fp8", str(fp8), *options])
     return bf16, fp8
 
 
@@ -30,10 +32,12 @@ def test_a_short_run_exports_loadable_folders_and_repeats_to_the_byte(tmp_path):
         assert len(model.generate(prompt, max_new_tokens=3, temperature=0).token_ids) >= 1
 
 
-def test_the_video_phase_continued_from_an_export_gives_the_bytes_of_the_one_command(tmp_path):
-    """The shipped checkpoint's third phase was run from the second phase's export (--init-from); this is the same
-    model the one training command makes."""
+def test_each_phase_continued_from_an_export_gives_the_bytes_of_the_one_command(tmp_path):
+    """The shipped checkpoint's third phase was run from the second phase's export and its fourth from the third's
+    (--init-from); this is the same model the one training command makes."""
     whole, _ = short_run(tmp_path / "whole")
-    first, _ = short_run(tmp_path / "first", video_steps=0)
-    continued, _ = short_run(tmp_path / "continued", "--init-from", str(first), steps=0)
-    assert (whole / "model.safetensors").read_bytes() == (continued / "model.safetensors").read_bytes()
+    first, _ = short_run(tmp_path / "first", video_steps=0, storyboard_steps=0)
+    video, _ = short_run(tmp_path / "video", "--init-from", str(first), steps=0, storyboard_steps=0)
+    storyboard, _ = short_run(tmp_path / "storyboard", "--init-from", str(video), steps=0, video_steps=0)
+    assert (whole / "model.safetensors").read_bytes() == (storyboard / "model.safetensors").read_bytes()
+    assert (whole / "model.safetensors").read_bytes() != (video / "model.safetensors").read_bytes()

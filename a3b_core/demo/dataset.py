@@ -11,6 +11,18 @@ and `parse_caption` turns it back into the scene:
 
 for example "a small red circle at the top left and a large green star at the centre on a blue background".
 
+The storyboard request (`STORYBOARD_PROMPT`) is answered with the scene as one storyboard shot, in the order the
+request names the fields, the caption first:
+
+    shot       := caption "; " shot_size ", eye level; still; mood: " mood
+
+for example "a large red heart at the centre on a white background; close-up, eye level; still; mood: bright". Every
+field is true of the picture: the shot size is "close-up" when the largest shape is large and "wide shot" when every
+shape is small; the camera angle is always "eye level" (a flat drawing is seen straight on); the action is "still" (one
+picture shows no motion); the mood is "bright" on a background whose luma (Rec. 601) is at least 128 (white, yellow,
+orange) and "dark" on the others (green, red, blue, purple, black). Both follow from words of the caption before them,
+which a tiny model reads more easily than the picture. `parse_shot` turns a shot back into the scene.
+
 Two shapes at most by default: the demo model (a tiny vision tower trained for minutes on a CPU) has to bind colour,
 kind, size and position per shape, and every extra shape multiplies what it must learn. A tiny model learns the
 grammar and the background colour within a few hundred steps, the per-shape attributes much later, so training can
@@ -71,6 +83,8 @@ SHAPE_AT_QUESTION = "What shape is at the {position}?"
 COLOUR_OF_QUESTION = "What colour is the {kind}?"
 POSITION_OF_QUESTION = "Where is the {kind}?"
 EMPTY_CELL_ANSWER = "nothing"
+STORYBOARD_PROMPT = "Describe this storyboard panel as one shot: subject, shot size, camera angle, action and mood."
+BRIGHT_LUMA = 128  # a background at least this bright (Rec. 601 luma of its palette value) sets a bright mood
 
 
 @dataclass(frozen=True)
@@ -145,6 +159,27 @@ def parse_caption(text: str) -> Scene | None:
     if any(s is None for s in shapes):
         return None
     return Scene(shapes=tuple(shapes), background=bg_words[1], pixel_art=pixel_art)
+
+
+def shot_size(scene: Scene) -> str:
+    return "close-up" if any(s.size == "large" for s in scene.shapes) else "wide shot"
+
+
+def mood(scene: Scene) -> str:
+    red, green, blue = COLOURS[scene.background]
+    return "bright" if 0.299 * red + 0.587 * green + 0.114 * blue >= BRIGHT_LUMA else "dark"
+
+
+def describe_shot(scene: Scene) -> str:
+    """The one canonical answer to STORYBOARD_PROMPT about a scene."""
+    return f"{describe(scene)}; {shot_size(scene)}, eye level; still; mood: {mood(scene)}"
+
+
+def parse_shot(text: str) -> Scene | None:
+    """The scene a shot describes, or None when the text does not follow the shot grammar or a field is not true of
+    the scene its caption describes."""
+    scene = parse_caption(text.partition("; ")[0])
+    return scene if scene is not None and describe_shot(scene) == text else None
 
 
 def random_scene(rng: random.Random, max_shapes: int = MAX_SHAPES) -> Scene:
