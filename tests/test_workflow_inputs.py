@@ -1,24 +1,27 @@
-"""The pictures shipped with the workflows (pixel art, the multi-view scene) are exactly the generator scenes whose
-captions the tests expect; the shipped clip is the generated red circle."""
+"""The pictures shipped with the workflows (pixel art, the multi-view scene, the storyboard panels) are exactly the
+generator scenes whose captions or shots the tests expect; the shipped clip is the generated red circle."""
 import random
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from a3b_core.demo.dataset import draw, parse_caption
+from a3b_core.demo.dataset import draw, parse_caption, parse_shot
 from a3b_core.video import read_video
-from tests.integration import pixel_art_inputs, video_inputs, view_inputs
+from tests.integration import pixel_art_inputs, storyboard_inputs, video_inputs, view_inputs
 
 
-@pytest.mark.parametrize("inputs, scenes", [(pixel_art_inputs, pixel_art_inputs.SCENES),
-                                            (view_inputs, view_inputs.VIEWS)], ids=["pixel art", "views"])
-def test_shipped_pictures_are_the_generator_output(inputs, scenes):
+@pytest.mark.parametrize("inputs, scenes, expected, parse", [
+    (pixel_art_inputs, pixel_art_inputs.SCENES, pixel_art_inputs.expected_captions, parse_caption),
+    (view_inputs, view_inputs.VIEWS, view_inputs.expected_captions, parse_caption),
+    (storyboard_inputs, storyboard_inputs.PANELS, storyboard_inputs.expected_shots, parse_shot)],
+    ids=["pixel art", "views", "storyboard"])
+def test_shipped_pictures_are_the_generator_output(inputs, scenes, expected, parse):
     for index, (name, scene) in enumerate(scenes.items()):
         shipped = np.asarray(Image.open(inputs.INPUTS / name).convert("RGB"))
         assert np.array_equal(shipped, np.asarray(draw(scene, random.Random(index)))), name
-    for name, caption in inputs.expected_captions().items():
-        assert parse_caption(caption) == scenes[name]
+    for name, answer in expected().items():
+        assert parse(answer) == scenes[name]
 
 
 def test_shipped_clip_is_the_generated_circle():

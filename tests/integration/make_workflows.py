@@ -14,9 +14,10 @@ import tempfile
 from pathlib import Path
 
 from a3b_core.demo.clips import MAX_FRAMES, SAMPLE_FPS, VIDEO_PROMPT
-from a3b_core.demo.dataset import CAPTION_PROMPT
+from a3b_core.demo.dataset import CAPTION_PROMPT, STORYBOARD_PROMPT
 from tests.integration.comfy_server import NODE_MODULES, REPO, comfyui_missing_reason, prepare_base, start_server
 from tests.integration.pixel_art_inputs import DATASET as PIXEL_ART_DATASET
+from tests.integration.storyboard_inputs import PANELS
 from tests.integration.video_inputs import CLIP_NAME
 from tests.integration.view_inputs import VIEWS
 
@@ -24,26 +25,6 @@ WORKFLOWS = REPO / "workflows"
 
 _LOADER = {"type": "A3BModelLoader", "pos": [40, 60], "size": [330, 300],
            "widgets": {"model": "a3b-demo", "vram_preset": "auto"}}
-
-COMIC_STORYBOARD = {
-    "nodes": {
-        "loader": _LOADER,
-        "prompt": {"type": "A3BPrompt", "pos": [40, 400], "size": [460, 420], "widgets": {
-            "system": "You are a comic storyboard artist. You plan short comics panel by panel, for an artist and "
-                      "for an image generator.",
-            "user": "Write a 4-panel comic storyboard: a small robot finds a paint brush in a scrapyard and paints "
-                    "its first sunset.\nFor each panel write:\nPANEL n\nShot: camera angle, framing, characters, "
-                    "action\nDialogue: speech or captions (or none)\nPrompt: one line for an image generator, "
-                    "same character description in every panel",
-            "thinking": False}},
-        "generate": {"type": "A3BGenerate", "pos": [540, 60], "size": [420, 760], "widgets": {
-            "mode": "single", "max_new_tokens": 1024, "seed": 1234, "control_after_generate": "randomize"}},
-        "preview": {"type": "PreviewAny", "pos": [1000, 60], "size": [520, 760]},
-    },
-    "links": [["loader", 0, "generate", "model"], ["prompt", 0, "generate", "prompt"],
-              ["generate", 0, "preview", "source"]],
-}
-
 
 def _image_row(names: list[str], y: int) -> dict:
     return {f"image{index}": {"type": "LoadImage", "pos": [40 + 250 * index, y], "size": [230, 320],
@@ -74,7 +55,7 @@ def _captioning(names: list[str], system: str, user: str, size: int, captions: d
             "encode": {"type": "A3BImageEncode", "pos": [x, 820], "size": [300, 200],
                        "widgets": {"size": size, "resize": "stretch"}},
             "prompt": {"type": "A3BPrompt", "pos": [410, 60], "size": [440, 320],
-                       "widgets": {"system": system, "user": user, "thinking": False}},
+                       "widgets": {"system": system, "user": user, "thinking": "off"}},
             "generate": {"type": "A3BGenerate", "pos": [890, 60], "size": [380, 700], "widgets": {
                 "mode": "per image", "max_new_tokens": 160, "seed": 7, "control_after_generate": "fixed"}},
             "save": {"type": "A3BSaveCaptions", "pos": [1310, 60], "size": [330, 380],
@@ -94,6 +75,18 @@ MULTI_ANGLE_CAPTIONING = _captioning(
     user=CAPTION_PROMPT,
     size=384,
     captions={"subfolder": "a3b_captions/multi_angle", "if_exists": "overwrite"},
+)
+
+# A storyboard's panels in, one shot description per panel out (per-image mode), saved as a shot list: one .txt per
+# panel and shot_list.txt with every shot in order. The request is one a real model follows; the panels are drawn by
+# the demo model's own generator (tests/integration/storyboard_inputs.py) and it was trained on the request, so the
+# workflow gives true shots with "a3b-demo".
+STORYBOARD_SHOT_LIST = _captioning(
+    list(PANELS),
+    system="",
+    user=STORYBOARD_PROMPT,
+    size=384,
+    captions={"subfolder": "a3b_captions/storyboard", "if_exists": "overwrite", "combined_file": "shot_list"},
 )
 
 # The pixel-art scenes are drawn by the demo model's own data generator (tests/integration/pixel_art_inputs.py) into
@@ -121,7 +114,7 @@ VIDEO_LORA_CAPTIONING = {
         "encode": {"type": "A3BVideoEncode", "pos": [410, 400], "size": [330, 300],
                    "widgets": {"fps": SAMPLE_FPS, "max_frames": MAX_FRAMES}},
         "prompt": {"type": "A3BPrompt", "pos": [410, 60], "size": [440, 300], "widgets": {
-            "system": "", "user": VIDEO_PROMPT, "thinking": False}},
+            "system": "", "user": VIDEO_PROMPT, "thinking": "off"}},
         "generate": {"type": "A3BGenerate", "pos": [890, 60], "size": [380, 700], "widgets": {
             "mode": "per image", "max_new_tokens": 160, "seed": 7, "control_after_generate": "fixed"}},
         "save": {"type": "A3BSaveCaptions", "pos": [1310, 60], "size": [330, 380], "widgets": {
@@ -132,8 +125,8 @@ VIDEO_LORA_CAPTIONING = {
               ["generate", 0, "save", "captions"], ["encode", 1, "save", "names"]],
 }
 
-SPECS = {"comic_storyboard": COMIC_STORYBOARD, "multi_angle_captioning": MULTI_ANGLE_CAPTIONING,
-         "pixel_art_lora_captioning": PIXEL_ART_LORA_CAPTIONING, "video_lora_captioning": VIDEO_LORA_CAPTIONING}
+SPECS = {"multi_angle_captioning": MULTI_ANGLE_CAPTIONING, "pixel_art_lora_captioning": PIXEL_ART_LORA_CAPTIONING,
+         "storyboard_shot_list": STORYBOARD_SHOT_LIST, "video_lora_captioning": VIDEO_LORA_CAPTIONING}
 
 
 def main() -> None:

@@ -12,8 +12,8 @@ DATASET = "a3b_pixel_art"  # the folder inside ComfyUI's input folder
 INPUTS = Path(__file__).resolve().parents[2] / "workflows" / "inputs" / DATASET
 SCENES = {
     "a3b_pixel_heart.png": Scene((Shape("heart", "red", "centre", "large"),), "white", True),
-    "a3b_pixel_star_circle.png": Scene((Shape("star", "yellow", "top left", "small"),
-                                        Shape("circle", "purple", "bottom right", "large")), "black", True),
+    "a3b_pixel_star_circle.png": Scene((Shape("star", "yellow", "top left", "large"),
+                                        Shape("circle", "purple", "bottom right", "small")), "black", True),
     "a3b_pixel_triangle.png": Scene((Shape("triangle", "green", "top", "large"),), "blue", True),
     "a3b_pixel_square.png": Scene((Shape("square", "orange", "left", "small"),), "purple", True),
 }

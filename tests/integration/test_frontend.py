@@ -45,7 +45,7 @@ def run_frontend(comfy: ComfyServer, out_dir: Path, mode: str, widgets: dict, pr
     return report
 
 
-SHIPPED = ["comic_storyboard", "multi_angle_captioning", "pixel_art_lora_captioning", "video_lora_captioning"]
+SHIPPED = ["multi_angle_captioning", "pixel_art_lora_captioning", "storyboard_shot_list", "video_lora_captioning"]
 
 
 def test_the_four_workflows_are_shipped() -> None:
@@ -131,10 +131,10 @@ def _check_speed_line(node: dict, history: dict, answers: int, max_new_tokens: i
 
 
 def test_the_thinking_budget_stops_the_reasoning_and_an_answer_follows(comfy: ComfyServer, tmp_path: Path) -> None:
-    # unbounded, the demo model reasons for 59 tokens here and then ends without an answer; cut at 4, it answers for
-    # about 175 tokens (not a storyboard: it has learned none) and ends
+    # unbounded, the demo model reasons for about 55 tokens a panel here and then ends without an answer; cut at 4, it
+    # answers each panel with a shot (about 50 tokens) and ends
     budget, max_new_tokens = 4, 256
-    (workflow,) = [path for path in UI_WORKFLOWS if path.stem == "comic_storyboard"]
+    (workflow,) = [path for path in UI_WORKFLOWS if path.stem == "storyboard_shot_list"]
     report = run_frontend(comfy, tmp_path, "run",
                           {"A3BModelLoader": {"model": "a3b-demo"}, "A3BPrompt": {"thinking": "on"},
                            "A3BGenerate": {"thinking_budget": budget, "max_new_tokens": max_new_tokens}},
@@ -145,12 +145,12 @@ def test_the_thinking_budget_stops_the_reasoning_and_an_answer_follows(comfy: Co
     (node,) = entry["generateNodes"]
     (reasoning_preview,) = [node_id for node_id, graph_node in entry["apiPrompt"].items()
                             if graph_node["inputs"].get("source") == [node["id"], 1]]
-    (reasoning,) = history["outputs"][reasoning_preview]["text"]
+    reasonings = history["outputs"][reasoning_preview]["text"]  # one per panel (per-image mode)
     tokenizer = Tokenizer.from_folder(DEMO_DIR)
-    assert 1 <= len(tokenizer.encode(reasoning)) <= budget, reasoning
-    (answer,) = history["outputs"][node["id"]]["a3b_answer"]
-    assert answer.strip()
-    assert node["shownText"] == answer
-    line = _check_speed_line(node, history, 1, max_new_tokens)
-    assert int(line["tokens"]) > budget and line["reasons"] == "eos"
+    assert all(1 <= len(tokenizer.encode(reasoning)) <= budget for reasoning in reasonings), reasonings
+    answers = history["outputs"][node["id"]]["a3b_answer"]
+    assert len(answers) == len(reasonings) == 4 and all(answer.strip() for answer in answers)
+    assert node["shownText"] == "\n\n".join(answers)
+    line = _check_speed_line(node, history, len(answers), max_new_tokens)
+    assert int(line["tokens"]) > budget * len(answers) and line["reasons"] == "eos"
     assert Path(entry["screenshot"]).stat().st_size > 10_000

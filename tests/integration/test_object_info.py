@@ -23,7 +23,7 @@ EXPECTED = {
                                      "min_p", "presence_penalty", "repetition_penalty", "seed", "thinking_budget"],
                     ["STRING", "STRING"]),
     "A3BSaveCaptions": ("A3B Save Captions", ["captions", "subfolder", "names", "filename_prefix", "trigger_word",
-                                              "if_exists"], []),
+                                              "if_exists", "combined_file"], []),
     "A3BCaptionFolder": ("A3B Caption Folder", ["model", "folder_root", "folder", "recursive", "output_subfolder",
                                                 "preset", "prompt", "existing", "trigger_word", "prefix", "suffix",
                                                 "template", "banned", "required", "max_length", "dry_run", "start",
@@ -117,6 +117,7 @@ def test_image_encode_and_save_captions_settings(object_info: dict) -> None:
     save = object_info["A3BSaveCaptions"]
     assert save["output_node"] is True
     assert _inputs(save)["if_exists"][1]["options"] == ["skip", "overwrite"]
+    assert save["input"]["optional"]["combined_file"][1]["default"] == ""  # API graphs saved before it still run
 
 
 def test_the_js_extension_is_served(comfy) -> None:

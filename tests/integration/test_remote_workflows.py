@@ -83,8 +83,8 @@ def test_stop_cancels_the_generation_on_the_server(comfy: ComfyServer, tmp_path_
     # The tiny test model writes for ~400 tokens before its end token: long enough to press Stop in the middle.
     server = start_served(tmp_path_factory.mktemp("serve-tiny"), model=str(build_fixtures().moe_fused_bf16))
     try:
-        graph = _set_inputs(remote_graph(load_api_workflow("comic_storyboard"), server.url), "A3BGenerate",
-                            max_new_tokens=20000, seed=401, **GREEDY)
+        graph = _set_inputs(remote_graph(load_api_workflow("storyboard_shot_list"), server.url), "A3BGenerate",
+                            max_new_tokens=20000, seed=401, mode="single", **GREEDY)  # one request: all panels
         (generate,) = _nodes(graph, "A3BGenerate")
         entry, live = comfy.run_watching(graph, interrupt_after_text_from=generate)
         kinds = [kind for kind, _ in entry["status"]["messages"]]
@@ -98,7 +98,7 @@ def test_stop_cancels_the_generation_on_the_server(comfy: ComfyServer, tmp_path_
 
 
 def test_a_server_that_is_not_there_fails_with_a_clear_message(comfy: ComfyServer) -> None:
-    graph = remote_graph(load_api_workflow("comic_storyboard"), "http://127.0.0.1:9/v1")
+    graph = remote_graph(load_api_workflow("storyboard_shot_list"), "http://127.0.0.1:9/v1")
     entry = comfy.run(graph)
     assert entry["status"]["status_str"] == "error"
     message = error_message(entry)

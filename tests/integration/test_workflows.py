@@ -5,17 +5,20 @@ import copy
 
 import pytest
 
+from a3b_core.demo.dataset import parse_shot
+from nodes.live_text import LiveText
 from tests.integration.comfy_server import ComfyServer
 from tests.integration.conftest import (BROKEN_MODEL, TEST_MAX_NEW_TOKENS, caption_file_names, error_message,
                                         load_api_workflow)
 from tests.integration.pixel_art_inputs import expected_captions
+from tests.integration.storyboard_inputs import PANELS
 from tests.integration.video_inputs import CLIP_NAME
 from tests.integration.video_inputs import expected_caption as expected_clip_caption
 from tests.integration.view_inputs import expected_captions as expected_view_captions
 
 pytestmark = pytest.mark.comfyui
 
-GENERATE_WORKFLOWS = ["comic_storyboard", "multi_angle_captioning", "video_lora_captioning"]
+GENERATE_WORKFLOWS = ["multi_angle_captioning", "storyboard_shot_list", "video_lora_captioning"]
 
 
 def _nodes(graph: dict, class_type: str) -> list[str]:
@@ -50,18 +53,25 @@ def test_api_workflow_runs_to_non_empty_answers(comfy: ComfyServer, name: str) -
         inputs = graph[save]["inputs"]
         folder = comfy.output_dir / inputs["subfolder"]
         stems = [name.rsplit(".", 1)[0] for name in caption_file_names(graph, save)]
-        assert sorted(path.stem for path in folder.glob("*.txt")) == sorted(stems)
+        combined = [inputs["combined_file"]] if inputs.get("combined_file") else []
+        assert sorted(path.stem for path in folder.glob("*.txt")) == sorted(stems + combined)
         prefix = f"{inputs['trigger_word']}, " if inputs["trigger_word"] else ""
         assert all((folder / f"{stem}.txt").read_text().startswith(prefix) for stem in stems)
+        for stem in combined:  # every answer in order, after its file's name
+            lines = (folder / f"{stem}.txt").read_text().splitlines()
+            assert [line.split(": ", 1)[0] for line in lines] == stems
 
 
-def test_an_api_graph_saved_without_the_thinking_budget_still_runs(comfy: ComfyServer) -> None:
-    graph = _set_inputs(load_api_workflow("comic_storyboard"), "A3BGenerate", seed=51, max_new_tokens=16)
-    (generate,) = _nodes(graph, "A3BGenerate")
-    del graph[generate]["inputs"]["thinking_budget"]
+def test_an_api_graph_saved_without_the_newest_optional_inputs_still_runs(comfy: ComfyServer) -> None:
+    graph = _set_inputs(load_api_workflow("storyboard_shot_list"), "A3BGenerate", seed=51, max_new_tokens=16)
+    graph = _set_inputs(graph, "A3BSaveCaptions", subfolder="a3b_captions/storyboard_older")
+    (generate,), (save,) = _nodes(graph, "A3BGenerate"), _nodes(graph, "A3BSaveCaptions")
+    del graph[generate]["inputs"]["thinking_budget"], graph[save]["inputs"]["combined_file"]
     entry = comfy.run(graph)
     _succeeded(comfy, entry)
     assert entry["outputs"][generate]["a3b_answer"][0].strip()
+    saved = sorted(path.name for path in (comfy.output_dir / "a3b_captions" / "storyboard_older").iterdir())
+    assert saved == sorted(name.replace(".png", ".txt") for name in PANELS)  # no combined file
 
 
 def test_pixel_art_workflow_as_shipped_captions_its_folder_on_the_demo_model(comfy: ComfyServer) -> None:
@@ -88,6 +98,22 @@ def test_multi_view_workflow_as_shipped_captions_each_view_on_the_demo_model(com
     (save,) = _nodes(graph, "A3BSaveCaptions")
     folder = comfy.output_dir / graph[save]["inputs"]["subfolder"]
     assert {name: (folder / name.replace(".png", ".txt")).read_text().strip() for name in expected} == expected
+
+
+def test_storyboard_workflow_as_shipped_describes_each_panel_on_the_demo_model(comfy: ComfyServer) -> None:
+    graph = load_api_workflow("storyboard_shot_list", model="a3b-demo")
+    entry = comfy.run(graph)
+    _succeeded(comfy, entry)
+    (generate,), (save,) = _nodes(graph, "A3BGenerate"), _nodes(graph, "A3BSaveCaptions")
+    answers = entry["outputs"][generate]["a3b_answer"]
+    assert [parse_shot(answer) for answer in answers] == list(PANELS.values()), answers
+    folder = comfy.output_dir / graph[save]["inputs"]["subfolder"]
+    for name, scene in PANELS.items():
+        assert parse_shot((folder / name.replace(".png", ".txt")).read_text().strip()) == scene, name
+    shot_list = (folder / f"{graph[save]['inputs']['combined_file']}.txt").read_text().splitlines()
+    assert [tuple(line.split(": ", 1)) for line in shot_list] == [(name.removesuffix(".png"), answer)
+                                                                 for name, answer in zip(PANELS, answers)]
+    assert [parse_shot(line.split(": ", 1)[1]) for line in shot_list] == list(PANELS.values())
 
 
 def test_video_workflow_as_shipped_captions_the_clip_on_the_demo_model(comfy: ComfyServer) -> None:
@@ -123,21 +149,24 @@ def test_the_folder_node_refuses_a_folder_outside_comfyuis_folders(comfy: ComfyS
     assert message.startswith("a3b_core.errors.ConfigError: folder ") and "ComfyUI's input folder" in message
 
 
-def test_the_answer_streams_onto_the_generate_node(comfy: ComfyServer) -> None:
-    graph = _set_inputs(load_api_workflow("comic_storyboard"), "A3BGenerate", seed=11, max_new_tokens=64)
+def test_the_answers_stream_onto_the_generate_node(comfy: ComfyServer) -> None:
+    graph = _set_inputs(load_api_workflow("storyboard_shot_list"), "A3BGenerate", seed=11, max_new_tokens=64)
     entry, live = comfy.run_watching(graph)
     _succeeded(comfy, entry)
     (generate,) = _nodes(graph, "A3BGenerate")
     texts = [text for node_id, text in live if node_id == generate]
     assert texts, "no live text was sent for the Generate node"
-    assert texts[-1] == entry["outputs"][generate]["a3b_answer"][0]
+    answers = entry["outputs"][generate]["a3b_answer"]
+    shown: list[str] = []
+    LiveText(len(answers), shown.append).finish(answers)  # one section per panel
+    assert len(answers) == len(PANELS) and texts[-1] == shown[-1]
 
 
 def test_stop_ends_a_long_generation_and_the_next_prompt_still_runs(comfy: ComfyServer) -> None:
     # Greedy decoding of the tiny test model meets its end token only after ~400 tokens (seconds of decoding), long
     # after the interrupt, which is sent as soon as the first token has streamed.
-    graph = _set_inputs(load_api_workflow("comic_storyboard"), "A3BGenerate", max_new_tokens=20000, temperature=0.0,
-                        presence_penalty=0.0, seed=21)
+    graph = _set_inputs(load_api_workflow("storyboard_shot_list"), "A3BGenerate", max_new_tokens=20000,
+                        temperature=0.0, presence_penalty=0.0, seed=21)
     (generate,) = _nodes(graph, "A3BGenerate")
     entry, live = comfy.run_watching(graph, interrupt_after_text_from=generate)
     kinds = [kind for kind, _ in entry["status"]["messages"]]
@@ -151,7 +180,7 @@ def test_stop_ends_a_long_generation_and_the_next_prompt_still_runs(comfy: Comfy
 
 
 def test_a_model_folder_without_weights_fails_with_the_engines_message(comfy: ComfyServer) -> None:
-    entry = comfy.run(load_api_workflow("comic_storyboard", model=BROKEN_MODEL))
+    entry = comfy.run(load_api_workflow("storyboard_shot_list", model=BROKEN_MODEL))
     assert entry["status"]["status_str"] == "error"
     message = error_message(entry)
     assert message.startswith("a3b_core.errors.CheckpointError: ") and BROKEN_MODEL in message, message
@@ -160,7 +189,7 @@ def test_a_model_folder_without_weights_fails_with_the_engines_message(comfy: Co
 @pytest.mark.parametrize("name", ["../outside", "/etc"])
 def test_a_model_name_outside_the_llm_folders_is_refused(comfy: ComfyServer, name: str) -> None:
     # ComfyUI 0.3.75 does not check V3 combo values against their options, so the node itself must refuse.
-    entry = comfy.run(load_api_workflow("comic_storyboard", model=name))
+    entry = comfy.run(load_api_workflow("storyboard_shot_list", model=name))
     assert entry["status"]["status_str"] == "error"
     message = error_message(entry)
     assert message.startswith("a3b_core.errors.ConfigError: ") and "not a folder name under models/LLM" in message
@@ -176,7 +205,7 @@ def test_an_image_marker_mismatch_fails_with_the_engines_message(comfy: ComfySer
 
 
 def test_comfyui_unload_releases_the_model_and_the_next_run_reloads_it(comfy: ComfyServer) -> None:
-    graph = _set_inputs(load_api_workflow("comic_storyboard"), "A3BGenerate", seed=31, max_new_tokens=8)
+    graph = _set_inputs(load_api_workflow("storyboard_shot_list"), "A3BGenerate", seed=31, max_new_tokens=8)
     _succeeded(comfy, comfy.run(graph))
     released_before = comfy.log_text().count("A3B model released")
     status, _ = comfy.request("POST", "/free", {"unload_models": True})
@@ -189,7 +218,7 @@ def test_comfyui_unload_releases_the_model_and_the_next_run_reloads_it(comfy: Co
 
 
 def test_keep_loaded_off_frees_the_model_after_each_generation(comfy: ComfyServer) -> None:
-    graph = _set_inputs(load_api_workflow("comic_storyboard"), "A3BModelLoader", keep_loaded=False)
+    graph = _set_inputs(load_api_workflow("storyboard_shot_list"), "A3BModelLoader", keep_loaded=False)
     graph = _set_inputs(graph, "A3BGenerate", seed=41, max_new_tokens=8)
     released_before = comfy.log_text().count("A3B model released")
     _succeeded(comfy, comfy.run(graph))
@@ -197,7 +226,8 @@ def test_keep_loaded_off_frees_the_model_after_each_generation(comfy: ComfyServe
 
 
 def test_the_loaders_dense_format_reaches_the_engine(comfy: ComfyServer) -> None:
-    graph = _set_inputs(load_api_workflow("comic_storyboard"), "A3BModelLoader", dense_format="int8", keep_loaded=False)
+    graph = _set_inputs(load_api_workflow("storyboard_shot_list"), "A3BModelLoader", dense_format="int8",
+                        keep_loaded=False)
     graph = _set_inputs(graph, "A3BGenerate", seed=61, max_new_tokens=8)
     entry = comfy.run(graph)
     _succeeded(comfy, entry)
