@@ -5,8 +5,6 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import decoders, models, pre_tokenizers, trainers
-from tokenizers import AddedToken
 
 from .config import ModelConfig, inside_folder
 from .errors import CheckpointError, ConfigError
@@ -132,22 +130,3 @@ class StreamDecoder:
         self._done = len(self.ids)
         self._start = max(0, self._done - self.CONTEXT)
         return new
-
-
-def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> HFTokenizer:
-    """A byte-level BPE tokenizer with Qwen3.5's control tokens as the last ids of the vocabulary.
-
-    Used for the project's own small models (test fixtures, the demo model); real models ship their tokenizer.json.
-    """
-    added = len(SPECIAL_TOKENS) + len(THINK_TOKENS)
-    tok = HFTokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size - added, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus, trainer)
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
-    if tok.get_vocab_size(with_added_tokens=True) != vocab_size:
-        raise ValueError(f"corpus too small for a {vocab_size}-token vocabulary")
-    return tok

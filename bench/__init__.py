@@ -1,1 +1,2 @@
-"""Benchmarks of the engine against transformers and llama.cpp (run by hand: python bench/speed.py)."""
+"""Benchmarks of the engine against transformers and llama.cpp (run by hand: python bench/speed.py), and the demo
+model's training (demo_model/)."""

@@ -17,10 +17,10 @@ from a3b_core import caption_folder as folder_module
 from a3b_core.__main__ import main
 from a3b_core.caption_folder import (RUN_JOURNAL, TAGS_PROMPT, FolderJob, FolderProgress, Shaping, caption_folder,
                                      caption_request, check_shaping, combined, run_to_end, shape_caption, summary)
-from a3b_core.demo import dataset
 from a3b_core.engine import load_model
 from a3b_core.errors import ConfigError
 from a3b_core.options import GenerationOptions
+from bench.demo_model import dataset
 from nodes.caption_folder import folder_job, output_lists
 from tests.hostile_inputs import EPS, REPO, fake_ghostscript
 from tests.test_bad_inputs import FIX

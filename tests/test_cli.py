@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from a3b_core.__main__ import DEFAULT_CAPTION_PROMPT, main
-from a3b_core.demo import dataset
-from a3b_core.demo.train import DEMO_DIR, DEMO_FP8_DIR, TEST_SEED, write_test_images
 from a3b_core.engine import load_model
+from bench.demo_model import dataset
+from bench.demo_model.train import DEMO_DIR, DEMO_FP8_DIR, TEST_SEED, write_test_images
 from tests.test_bad_inputs import FIX
 
 REPO = Path(__file__).parent.parent

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from a3b_core.demo import clips, dataset, train
-from a3b_core.demo.build_tokenizer import build_demo_tokenizer
 from a3b_core.engine import load_model
 from a3b_core.tokenizer import Tokenizer
+from bench.demo_model import clips, dataset, train
+from bench.demo_model.build_tokenizer import build_demo_tokenizer
 
 
 def drawn(seed: int) -> tuple[clips.Clip, np.ndarray]:

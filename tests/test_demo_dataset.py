@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from a3b_core.demo import dataset
-from a3b_core.demo.build_tokenizer import DEMO_VOCAB_SIZE, build_demo_tokenizer
-from a3b_core.demo.dataset import (BACKGROUND_QUESTION, COLOURS, COUNT_QUESTION, EMPTY_CELL_ANSWER, IMAGE_SIZE,
+from a3b_core.tokenizer import SPECIAL_TOKENS, THINK_TOKENS
+from bench.demo_model import dataset
+from bench.demo_model.build_tokenizer import DEMO_VOCAB_SIZE, build_demo_tokenizer
+from bench.demo_model.dataset import (BACKGROUND_QUESTION, COLOURS, COUNT_QUESTION, EMPTY_CELL_ANSWER, IMAGE_SIZE,
                                    PIXEL_ART_GRID, POSITIONS, SHAPES, SIZE_RANGES, SIZES, Scene, Shape, describe,
                                    describe_shot, grid_line_level, make_sample, make_samples, mood, parse_caption,
                                    parse_shot, random_scene)
-from a3b_core.tokenizer import SPECIAL_TOKENS, THINK_TOKENS
 
 
 @pytest.fixture(scope="module")

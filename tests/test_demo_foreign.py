@@ -3,8 +3,8 @@ and colours; a caption passes only when it names exactly the scene's shapes."""
 import numpy as np
 import pytest
 
-from a3b_core.demo import dataset
-from a3b_core.demo.foreign import DIAMETERS, SCORES, caption_scores, draw_foreign, foreign_scenes, main
+from bench.demo_model import dataset
+from bench.demo_model.foreign import DIAMETERS, SCORES, caption_scores, draw_foreign, foreign_scenes, main
 
 
 @pytest.fixture(scope="module")

@@ -15,13 +15,13 @@ import torch
 from PIL import ImageCms
 from safetensors import safe_open
 
-from a3b_core.demo import dataset
-from a3b_core.demo.build_tokenizer import build_demo_tokenizer
-from a3b_core.demo.train import (DEMO_DIR, DEMO_FP8_DIR, TEST_SEED, caption_files, clip_accuracy, config_text,
-                                 demo_config, fp8_config, pipeline_accuracy, shot_cases, write_test_images)
 from a3b_core.engine import load_model
 from a3b_core.image import load_image
 from a3b_core.tokenizer import Tokenizer
+from bench.demo_model import dataset
+from bench.demo_model.build_tokenizer import build_demo_tokenizer
+from bench.demo_model.train import (DEMO_DIR, DEMO_FP8_DIR, TEST_SEED, caption_files, clip_accuracy, config_text,
+                                 demo_config, fp8_config, pipeline_accuracy, shot_cases, write_test_images)
 from tests.test_image import prophoto_rgb_icc
 
 HELD_OUT_IMAGES = 40

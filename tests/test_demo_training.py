@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from a3b_core.demo import dataset, train
 from a3b_core.engine import load_model
+from bench.demo_model import dataset, train
 
 
 def short_run(out: Path, *options: str, steps: int = 2, video_steps: int = 2,

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from a3b_core.demo.dataset import draw, parse_caption, parse_shot
 from a3b_core.video import read_video
+from bench.demo_model.dataset import draw, draw_scenes, parse_caption, parse_shot
 from tests.integration import pixel_art_inputs, storyboard_inputs, video_inputs, view_inputs
 
 
@@ -22,6 +22,18 @@ def test_shipped_pictures_are_the_generator_output(inputs, scenes, expected, par
         assert np.array_equal(shipped, np.asarray(draw(scene, random.Random(index)))), name
     for name, answer in expected().items():
         assert parse(answer) == scenes[name]
+
+
+@pytest.mark.parametrize("inputs, scenes", [
+    (pixel_art_inputs, pixel_art_inputs.SCENES), (view_inputs, view_inputs.VIEWS),
+    (storyboard_inputs, storyboard_inputs.PANELS)], ids=["pixel art", "views", "storyboard"])
+def test_redrawing_writes_the_shipped_pictures(inputs, scenes, tmp_path):
+    """What `python -m tests.integration.<inputs>` runs: draw_scenes writes every picture as shipped."""
+    draw_scenes(scenes, tmp_path)
+    assert sorted(path.name for path in tmp_path.iterdir()) == sorted(scenes)
+    for name in scenes:
+        drawn, shipped = (np.asarray(Image.open(folder / name).convert("RGB")) for folder in (tmp_path, inputs.INPUTS))
+        assert np.array_equal(drawn, shipped), name
 
 
 def test_shipped_clip_is_the_generated_circle():

@@ -1,7 +1,7 @@
 """The byte-level BPE tokenizer of the tiny test checkpoints: 512 ids, Qwen3.5 control tokens at the top."""
 from tokenizers import Tokenizer
 
-from a3b_core.tokenizer import train_tokenizer
+from bench.demo_model.build_tokenizer import train_tokenizer
 
 VOCAB_SIZE = 512
 

@@ -13,8 +13,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from a3b_core.demo.clips import MAX_FRAMES, SAMPLE_FPS, VIDEO_PROMPT
-from a3b_core.demo.dataset import CAPTION_PROMPT, STORYBOARD_PROMPT
+from bench.demo_model.clips import MAX_FRAMES, SAMPLE_FPS, VIDEO_PROMPT
+from bench.demo_model.dataset import CAPTION_PROMPT, STORYBOARD_PROMPT
 from tests.integration.comfy_server import NODE_MODULES, REPO, comfyui_missing_reason, prepare_base, start_server
 from tests.integration.pixel_art_inputs import DATASET as PIXEL_ART_DATASET
 from tests.integration.storyboard_inputs import PANELS

@@ -3,10 +3,9 @@ workflow has known right answers. They lie in the folder the workflow captions, 
 into ComfyUI's input folder); `python -m tests.integration.pixel_art_inputs` redraws them."""
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from a3b_core.demo.dataset import Scene, Shape, describe, draw
+from bench.demo_model.dataset import Scene, Shape, describe, draw_scenes
 
 DATASET = "a3b_pixel_art"  # the folder inside ComfyUI's input folder
 INPUTS = Path(__file__).resolve().parents[2] / "workflows" / "inputs" / DATASET
@@ -23,10 +22,5 @@ def expected_captions() -> dict[str, str]:
     return {name: describe(scene) for name, scene in SCENES.items()}
 
 
-def main() -> None:
-    for index, (name, scene) in enumerate(SCENES.items()):
-        draw(scene, random.Random(index)).save(INPUTS / name, optimize=True)
-
-
 if __name__ == "__main__":
-    main()
+    draw_scenes(SCENES, INPUTS)

@@ -1,13 +1,12 @@
 """The four panels of the storyboard workflow: a short story of a star and a heart, drawn by the demo model's own data
 generator into workflows/inputs (copied into ComfyUI's input folder), so that the shipped workflow has known right
-answers to the storyboard request (`a3b_core.demo.dataset.STORYBOARD_PROMPT`); `python -m
+answers to the storyboard request (`bench.demo_model.dataset.STORYBOARD_PROMPT`); `python -m
 tests.integration.storyboard_inputs` redraws them."""
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from a3b_core.demo.dataset import Scene, Shape, describe_shot, draw
+from bench.demo_model.dataset import Scene, Shape, describe_shot, draw_scenes
 
 INPUTS = Path(__file__).resolve().parents[2] / "workflows" / "inputs"
 PANELS = {  # a star alone at night, a heart below it, the heart close up, the heart with the star beside it
@@ -24,10 +23,5 @@ def expected_shots() -> dict[str, str]:
     return {name: describe_shot(scene) for name, scene in PANELS.items()}
 
 
-def main() -> None:
-    for index, (name, scene) in enumerate(PANELS.items()):
-        draw(scene, random.Random(index)).save(INPUTS / name, optimize=True)
-
-
 if __name__ == "__main__":
-    main()
+    draw_scenes(PANELS, INPUTS)

@@ -5,7 +5,7 @@ import copy
 
 import pytest
 
-from a3b_core.demo.dataset import parse_shot
+from bench.demo_model.dataset import parse_shot
 from nodes.live_text import LiveText
 from tests.integration.comfy_server import ComfyServer
 from tests.integration.conftest import (BROKEN_MODEL, TEST_MAX_NEW_TOKENS, caption_file_names, error_message,

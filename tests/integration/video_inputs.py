@@ -1,5 +1,5 @@
 """The clip of the video captioning workflow: a large red circle moving from the left to the right on white, drawn by
-the demo model's own clip generator (`a3b_core.demo.clips`) and written as a small VP9 WebM into workflows/inputs
+the demo model's own clip generator (`bench.demo_model.clips`) and written as a small VP9 WebM into workflows/inputs
 (copied into ComfyUI's input folder), so that the shipped workflow has a known right answer. `python -m
 tests.integration.video_inputs` writes it again."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from a3b_core.demo.clips import CLIP_FRAME_RATE, Clip, describe_clip, draw_clip
+from bench.demo_model.clips import CLIP_FRAME_RATE, Clip, describe_clip, draw_clip
 
 CLIP_NAME = "a3b_red_circle.webm"
 CLIP = Path(__file__).resolve().parents[2] / "workflows" / "inputs" / CLIP_NAME

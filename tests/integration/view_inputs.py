@@ -4,10 +4,9 @@ model's own data generator into workflows/inputs (copied into ComfyUI's input fo
 has known right answers; `python -m tests.integration.view_inputs` redraws them."""
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-from a3b_core.demo.dataset import Scene, Shape, describe, draw
+from bench.demo_model.dataset import Scene, Shape, describe, draw_scenes
 
 INPUTS = Path(__file__).resolve().parents[2] / "workflows" / "inputs"
 VIEWS = {f"a3b_view_{place}.png": Scene((Shape("star", "orange", position, "large"),), "blue", False)
@@ -18,10 +17,5 @@ def expected_captions() -> dict[str, str]:
     return {name: describe(scene) for name, scene in VIEWS.items()}
 
 
-def main() -> None:
-    for index, (name, scene) in enumerate(VIEWS.items()):
-        draw(scene, random.Random(index)).save(INPUTS / name, optimize=True)
-
-
 if __name__ == "__main__":
-    main()
+    draw_scenes(VIEWS, INPUTS)

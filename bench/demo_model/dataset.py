@@ -288,6 +288,13 @@ def _grid_lines(size: int, block: int) -> Image.Image:
     return mask
 
 
+def draw_scenes(scenes: dict[str, Scene], folder: Path) -> None:
+    """Draws each scene into `folder` under its file name (PNG), the i-th with random.Random(i): the pictures the
+    shipped workflows read, which tests draw again the same way to compare."""
+    for index, (name, scene) in enumerate(scenes.items()):
+        draw(scene, random.Random(index)).save(folder / name, optimize=True)
+
+
 def make_sample(rng: random.Random, size: int = IMAGE_SIZE, max_shapes: int = MAX_SHAPES) -> Sample:
     scene = random_scene(rng, max_shapes)
     image = draw(scene, rng, size)

@@ -7,13 +7,13 @@ moving-shape clips of `clips.py` and the storyboard request's shots (`dataset.de
     # 11 min), then 500 steps with the storyboard request beside scenes and clips, continuing from that export (the
     # best, step 500, is exported: 13 min; validation exact: storyboard 78.5%, scenes 94.5% and clips 82.8% as at
     # its start; a second run writes the same bytes)
-    python -m a3b_core.demo.train train
+    python -m bench.demo_model.train train
     # the last phase alone, from the export of the one before (as the shipped checkpoint's last phase was run)
-    python -m a3b_core.demo.train train --init-from FOLDER --vision-steps 0 --steps 0 --video-steps 0
+    python -m bench.demo_model.train train --init-from FOLDER --vision-steps 0 --steps 0 --video-steps 0
     # exact-match accuracy through the full engine pipeline on held-out scenes and clips of seed 999: captions and
     # storyboard shots of the scenes, captions of the clips; shipped: scenes 95.3% on 300 (fp32 compute 95.0%, FP8
     # 94.7%), shots 77.0% of the same 300 (all three alike), clips 75.5% on 200 (fp32 compute and FP8 76.5%)
-    python -m a3b_core.demo.train evaluate --n 300 --clips 200
+    python -m bench.demo_model.train evaluate --n 300 --clips 200
 
 The model is the Qwen3.5-MoE architecture at toy size (Gated DeltaNet + gated attention, MoE with a shared expert,
 ViT vision tower), built from a3b_core's own modules and trained with autograd. Each training image comes with two
@@ -63,20 +63,22 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from ..image import to_patches
-from .. import video as video_pipeline
-from ..models import parse_config
-from ..models.qwen3_5.chat_template import build_prompt
-from ..models.mrope import mrope_position_ids
-from ..models.qwen3_5.text import TextModel
-from ..models.vision import VisionTower
-from ..prompt import MediaTokens, Turn, VideoTokens
-from ..tokenizer import Tokenizer
+from a3b_core import video as video_pipeline
+from a3b_core.engine import DEMO_MODELS, load_model
+from a3b_core.image import to_patches
+from a3b_core.models import parse_config
+from a3b_core.models.mrope import mrope_position_ids
+from a3b_core.models.qwen3_5.chat_template import build_prompt
+from a3b_core.models.qwen3_5.text import TextModel
+from a3b_core.models.vision import VisionTower
+from a3b_core.prompt import MediaTokens, Turn, VideoTokens
+from a3b_core.tokenizer import Tokenizer
+
 from . import clips, dataset
 from .build_tokenizer import build_demo_tokenizer
 
-DEMO_DIR = Path(__file__).parent / "a3b-demo"
-DEMO_FP8_DIR = Path(__file__).parent / "a3b-demo-fp8"
+DEMO_DIR = DEMO_MODELS["a3b-demo"]  # the loader's embedded demo folders, which training writes
+DEMO_FP8_DIR = DEMO_MODELS["a3b-demo-fp8"]
 TRAIN_SEED = 0
 VALIDATION_SEED = 998  # picks the best checkpoint during training
 TEST_SEED = 999  # never seen in training or selection: the reported accuracy
@@ -499,7 +501,6 @@ def caption_files(model, paths: list[Path], request: str = dataset.CAPTION_PROMP
 def pipeline_accuracy(folder: Path | str, cases: list[tuple[Path, str]], compute_dtype: str = "auto",
                       request: str = dataset.CAPTION_PROMPT) -> float:
     """Exact-match answers to `request` about the images of `cases`, (path, the answer expected)."""
-    from ..engine import load_model
     model = load_model(folder, compute_dtype=compute_dtype)
     got = caption_files(model, [path for path, _ in cases], request)
     return sum(g == want for g, (_, want) in zip(got, cases)) / len(cases)
@@ -507,7 +508,6 @@ def pipeline_accuracy(folder: Path | str, cases: list[tuple[Path, str]], compute
 
 def clip_accuracy(folder: Path | str, seed: int, n: int, compute_dtype: str = "auto") -> float:
     """Exact-match captions of `n` clips of `seed` through the engine, sampled as the video workflow samples them."""
-    from ..engine import load_model
     model = load_model(folder, compute_dtype=compute_dtype)
     right = 0
     for i in range(n):

@@ -8,7 +8,7 @@ as a new user's first picture would be. A caption passes when it names exactly t
 (no shape missed, none invented); positions and sizes are not scored, as the generator's words for them do not map
 onto free placement.
 
-    python -m a3b_core.demo.foreign [--n 240] [--model FOLDER]    # prints the accuracy and its parts
+    python -m bench.demo_model.foreign [--n 240] [--model FOLDER]    # prints the accuracy and its parts
 """
 from __future__ import annotations
 
@@ -174,7 +174,7 @@ def caption_scores(caption: str, scene: ForeignScene) -> dict[str, bool]:
 
 def foreign_scores(folder: Path | str, n: int, seed: int = FOREIGN_SEED) -> dict[str, float]:
     """The share of `n` foreign scenes whose greedy caption (through the engine) passes each of SCORES."""
-    from ..engine import load_model
+    from a3b_core.engine import load_model
     from .train import caption_files
     scenes = foreign_scenes(n, seed)
     with tempfile.TemporaryDirectory() as tmp:
