@@ -9,15 +9,15 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from .caption_folder import (DEFAULT_CAPTION_PROMPT, EXISTING_POLICIES, PRESETS, FolderJob, Shaping, check_job, phrases,
-                             run_to_end, summary)
-from .checkpoint import Checkpoint
-from .engine import DEMO_MODEL_NAME, DEMO_MODELS, load_model, resolve_model_path
 from .errors import A3BError, ImageError
 from .models import family_for, load_config
-from .options import (DENSE_FORMATS, DEVICE_CHOICES, KV_FORMATS, PRESET_NAMES, RESIZE_MODES, WEIGHT_FORMATS,
-                      GenerationOptions, LoadOptions)
-from .placement import GiB, format_bytes, plan_for_folder
+from .release.safetensors import Checkpoint
+from .runtime.loader import DEMO_MODEL_NAME, DEMO_MODELS, load_model, resolve_model_path
+from .runtime.options import (DENSE_FORMATS, DEVICE_CHOICES, KV_FORMATS, PRESET_NAMES, RESIZE_MODES, WEIGHT_FORMATS,
+                              GenerationOptions, LoadOptions)
+from .runtime.placement import GiB, format_bytes, plan_for_folder
+from .services.caption_folder import (DEFAULT_CAPTION_PROMPT, EXISTING_POLICIES, PRESETS, FolderJob, Shaping, check_job,
+                                      phrases, run_to_end, summary)
 
 CAPTION_MAX_NEW_TOKENS = 128  # `caption`: a caption is a sentence or two
 THINKING_MAX_NEW_TOKENS = 2048  # ... and the reasoning before it, when the prompt thinks
@@ -104,7 +104,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .serve import run  # aiohttp is imported by this command only
+    from .services.openai_server import run
 
     options = LoadOptions(preset=args.preset, weight_format=args.weight_format, dense_format=args.dense_format,
                           kv_cache=args.kv_cache, max_context=args.max_context, device=args.device)

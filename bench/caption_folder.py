@@ -29,8 +29,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # the repository root: a3b_core, bench
 
 from a3b_core import load_model  # noqa: E402
-from a3b_core.caption_folder import FolderJob, caption_folder  # noqa: E402
-from a3b_core.options import GenerationOptions  # noqa: E402
+from a3b_core.runtime.options import GenerationOptions
+from a3b_core.services.caption_folder import FolderJob, caption_folder
 from bench.bench_model import checkpoint_folder  # noqa: E402
 from bench.demo_model import dataset  # noqa: E402
 from bench.soak import rss_bytes  # noqa: E402

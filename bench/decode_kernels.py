@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: bench.*, a3b_core
 
 from a3b_core import load_model  # noqa: E402
-from a3b_core.backends.kernel_experts import FORMAT_CODES  # noqa: E402
+from a3b_core.formats.kernel_stores import FORMAT_CODES
 from bench.bench_model import bench_dir, bench_model_dir  # noqa: E402
 
 GROUPS = ("layer step", "int8 dense", "bf16 dense", "deltanet", "moe step", "norms")

@@ -24,10 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: bench.*, a3b_core
 
-from a3b_core.backends import repack_int4_for_torch  # noqa: E402
-from a3b_core.backends.experts import CpuFloatExperts, QuantizedExperts  # noqa: E402
-from a3b_core.backends.kernel_experts import KernelExperts, compiled_kernels  # noqa: E402
+from a3b_core.formats.kernel_stores import KernelExperts, compiled_kernels
+from a3b_core.formats.stores import CpuFloatExperts, QuantizedExperts
 from a3b_core.models.layers import RoutedExperts  # noqa: E402
+from a3b_core.runtime.cpu_swaps import repack_int4_for_torch
 from bench.roofline import measure_bandwidth  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 1024, 512, 64, 8, 16

@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from a3b_core import load_model  # noqa: E402
-from a3b_core.placement import CUDA_CONTEXT_BYTES, GiB, PRESETS  # noqa: E402
+from a3b_core.runtime.placement import CUDA_CONTEXT_BYTES, GiB, PRESETS
 
 REAL_TEXT = dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
                  num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,

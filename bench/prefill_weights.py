@@ -18,7 +18,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: bench.*, a3b_core
 
-from a3b_core.backends import kernel_experts, products  # noqa: E402
+from a3b_core.formats import kernel_stores as kernel_experts
+from a3b_core.kernels import cpu_linear as products
 from bench.decode_kernels import load_bench_model, print_medians, timed_rounds, variants_parser  # noqa: E402
 from bench.worker import prompt_ids  # noqa: E402
 

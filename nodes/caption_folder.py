@@ -2,9 +2,9 @@
 input and output folders, and the run's outcomes turned into the node's output lists."""
 from __future__ import annotations
 
-from a3b_core.caption_folder import FolderJob, ImageOutcome, Shaping, phrases
 from a3b_core.errors import ConfigError
-from a3b_core.options import GenerationOptions
+from a3b_core.runtime.options import GenerationOptions
+from a3b_core.services.caption_folder import FolderJob, ImageOutcome, Shaping, phrases
 
 from .captions import confined_folder
 

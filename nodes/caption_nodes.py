@@ -1,8 +1,8 @@
 """A3B Save Captions and A3B Caption Folder."""
 from __future__ import annotations
 
-from a3b_core.caption_folder import EXISTING_POLICIES, PRESETS, caption_folder, summary
 from a3b_core.errors import ConfigError
+from a3b_core.services.caption_folder import EXISTING_POLICIES, PRESETS, caption_folder, summary
 
 from . import comfy_bridge as bridge
 from .caption_folder import FOLDER_ROOTS, folder_job, output_lists

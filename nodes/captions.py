@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 from a3b_core.errors import ConfigError
-from a3b_core.textfiles import write_text_atomic
+from a3b_core.services.textfiles import write_text_atomic
 
 NAME_MAX = 255  # bytes in one file name: the limit of ext4, XFS, btrfs, APFS and NTFS alike
 SUFFIX = ".txt"

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from a3b_core.engine import DEMO_MODELS
 from a3b_core.errors import ConfigError
+from a3b_core.runtime.loader import DEMO_MODELS
 
 DEMO_MODEL = "a3b-demo"  # the loader's default; the embedded demo models' names, which load_model resolves itself
 _MAX_DEPTH = 2  # models/LLM/<name> or models/LLM/<org>/<name>

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 import a3b_core
-from a3b_core.options import LoadOptions
-from a3b_core.placement import PRESETS, GiB
+from a3b_core.runtime.options import LoadOptions
+from a3b_core.runtime.placement import PRESETS, GiB
 
 from . import comfy_bridge as bridge
 

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from a3b_core.options import CHAT_TEMPLATES, DENSE_FORMATS, KV_FORMATS, PRESET_NAMES, WEIGHT_FORMATS, LoadOptions
+from a3b_core.runtime.options import (CHAT_TEMPLATES, DENSE_FORMATS, KV_FORMATS, PRESET_NAMES, WEIGHT_FORMATS,
+                                      LoadOptions)
 
 from . import comfy_bridge as bridge
 from .comfy_bridge import io

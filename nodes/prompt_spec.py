@@ -8,10 +8,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from a3b_core.context_fit import fit_to_context
-from a3b_core.engine import A3BModel
 from a3b_core.errors import PromptError
-from a3b_core.prompt import Turn
+from a3b_core.prompting.conversation import Turn
+from a3b_core.runtime.loader import A3BModel
+from a3b_core.services.context_fit import fit_to_context
 
 AUTO_THINKING = "auto"
 THINKING_MODES = {AUTO_THINKING: None, "on": True, "off": False}  # A3B Prompt's choice -> build_prompt's thinking

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from a3b_core.remote import RemoteModel
+from a3b_core.services.openai_client import RemoteModel
 
 
 class RemoteModelHandle:

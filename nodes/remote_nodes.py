@@ -1,7 +1,7 @@
 """A3B Remote Model: a model behind an OpenAI-compatible server, used by the same Image Encode and Generate nodes."""
 from __future__ import annotations
 
-from a3b_core.remote import RemoteModel
+from a3b_core.services.openai_client import RemoteModel
 
 from .comfy_bridge import io
 from .remote_handle import RemoteModelHandle

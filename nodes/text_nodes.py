@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from a3b_core.errors import PromptError
-from a3b_core.options import RESIZE_MODES
+from a3b_core.runtime.options import RESIZE_MODES
 
 from . import comfy_bridge as bridge
 from .comfy_bridge import io

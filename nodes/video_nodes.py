@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from a3b_core import EncodedImages
-from a3b_core.video import DEFAULT_FPS, MAX_FRAME_TOKENS, MAX_FRAMES
+from a3b_core.media.video import DEFAULT_FPS, MAX_FRAME_TOKENS, MAX_FRAMES
 
 from .comfy_bridge import io
 from .model_handle import A3BModelHandle

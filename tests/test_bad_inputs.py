@@ -37,10 +37,10 @@ from tokenizers import models as tokenizer_models
 
 from a3b_core import (A3BError, ChatPrompt, CheckpointError, ConfigError, EncodedImages, GenerationError, ImageError,
                       ModelReleasedError, PlacementError, PromptError, Turn, load_model)
-from a3b_core.checkpoint import PICKLE_SUFFIXES, read_header
+from a3b_core.media.image import resize_image
 from a3b_core.models import parse_config
-from a3b_core.image import resize_image
-from a3b_core.prompt import Prompt
+from a3b_core.prompting.conversation import Prompt
+from a3b_core.release.safetensors import PICKLE_SUFFIXES, read_header
 from tests.hostile_inputs import EPS, png_header_only
 from tests.test_image import prophoto_rgb_icc
 

@@ -1,4 +1,4 @@
-"""Captioning a folder (a3b_core.caption_folder, the CLI's caption-folder and the node's input handling) with the
+"""Captioning a folder (a3b_core.services.caption_folder, the CLI's caption-folder and the node's input handling) with the
 embedded demo model, on folders of generated images: nested folders, mixed formats, an unreadable file, names with
 spaces and non-ASCII letters. Every image gets exactly one caption file, reruns skip, stopped runs resume, nothing
 outside the chosen folders is written, and each option changes what it says."""
@@ -13,13 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from a3b_core import caption_folder as folder_module
 from a3b_core.__main__ import main
-from a3b_core.caption_folder import (RUN_JOURNAL, TAGS_PROMPT, FolderJob, FolderProgress, Shaping, caption_folder,
-                                     caption_request, check_shaping, combined, run_to_end, shape_caption, summary)
-from a3b_core.engine import load_model
 from a3b_core.errors import ConfigError
-from a3b_core.options import GenerationOptions
+from a3b_core.runtime.loader import load_model
+from a3b_core.runtime.options import GenerationOptions
+from a3b_core.services import caption_folder as folder_module
+from a3b_core.services.caption_folder import (RUN_JOURNAL, TAGS_PROMPT, FolderJob, FolderProgress, Shaping,
+                                              caption_folder, caption_request, check_shaping, combined, run_to_end,
+                                              shape_caption, summary)
 from bench.demo_model import dataset
 from nodes.caption_folder import folder_job, output_lists
 from tests.hostile_inputs import EPS, REPO, fake_ghostscript

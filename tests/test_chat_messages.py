@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from a3b_core import IMAGE_MARKER, VIDEO_MARKER, PromptError, Turn, load_model
-from a3b_core.chat_messages import conversation_from_messages, messages_from_conversation
+from a3b_core.services.openai_messages import conversation_from_messages, messages_from_conversation
 from tests.integration.pixel_art_inputs import INPUTS
 from tests.test_bad_inputs import FIX
 from tests.test_prompt import official_text

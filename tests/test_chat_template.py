@@ -16,12 +16,12 @@ from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from a3b_core import load_model
-from a3b_core.chat_template import (MAX_FILE_BYTES, MAX_TEMPLATE_CHARACTERS, RENDER_SECONDS, FolderTemplate,
-                                    find_chat_template)
 from a3b_core.errors import ChatTemplateError, ConfigError, PromptError
 from a3b_core.models.qwen3_5.chat_template import build_prompt as built_in_prompt
-from a3b_core.prompt import IMAGE_MARKER, Turn, count_image_markers
-from a3b_core.tokenizer import Tokenizer
+from a3b_core.prompting.conversation import IMAGE_MARKER, Turn, count_image_markers
+from a3b_core.prompting.folder_template import (MAX_FILE_BYTES, MAX_TEMPLATE_CHARACTERS, RENDER_SECONDS, FolderTemplate,
+                                                find_chat_template)
+from a3b_core.prompting.tokenizer import Tokenizer
 from tests.test_bad_inputs import FIX
 from tests.test_prompt import official_text
 from tests.tiny_tokenizer import build_tiny_tokenizer

@@ -6,8 +6,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from a3b_core.checkpoint import Checkpoint, dequantize_fp8, read_header
 from a3b_core.errors import CheckpointError
+from a3b_core.release.safetensors import Checkpoint, dequantize_fp8, read_header
 
 
 def write_raw(path, header: dict, data: bytes) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from a3b_core.__main__ import DEFAULT_CAPTION_PROMPT, main
-from a3b_core.engine import load_model
+from a3b_core.runtime.loader import load_model
 from bench.demo_model import dataset
 from bench.demo_model.train import DEMO_DIR, DEMO_FP8_DIR, TEST_SEED, write_test_images
 from tests.test_bad_inputs import FIX

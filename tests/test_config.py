@@ -4,9 +4,9 @@ import math
 
 import pytest
 
-from a3b_core.config import MAX_LAYERS, StoredLayers
-from a3b_core.models import load_config, parse_config
 from a3b_core.errors import ConfigError
+from a3b_core.models import load_config, parse_config
+from a3b_core.release.config import MAX_LAYERS, StoredLayers
 
 TEXT = {
     "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 8, "num_attention_heads": 4,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from a3b_core import PromptError, load_model
-from a3b_core.image import PROCESSOR_MIN_PIXELS
+from a3b_core.media.image import PROCESSOR_MIN_PIXELS
 from nodes.prompt_spec import PER_IMAGE, SINGLE, PromptSpec, build_prompts, fitted_prompts
 from tests.test_bad_inputs import FIX
 from tests.tiny_models import synthetic_image

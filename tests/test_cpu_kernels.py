@@ -8,9 +8,9 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from a3b_core import load_model
-from a3b_core.backends.experts import CpuFloatExperts, QuantizedExperts, dequantize_int4, int4_group_size, quantize_int4
-from a3b_core.backends.kernel_experts import FORMAT_CODES, KernelExperts, compiled_kernels, dequantized, \
-    kernel_arrays, kernels_enabled, matrix, swap_in_kernels
+from a3b_core.formats.kernel_stores import (FORMAT_CODES, KernelExperts, compiled_kernels, dequantized, kernel_arrays,
+                                            kernels_enabled, matrix, swap_in_kernels)
+from a3b_core.formats.stores import CpuFloatExperts, QuantizedExperts, dequantize_int4, int4_group_size, quantize_int4
 from a3b_core.models.layers import RoutedExperts
 from tests.fake_cuda import FakeCuda
 
@@ -286,7 +286,7 @@ def rows_compiled_at(lanes: int, fmt: int, monkeypatch):
     out, compiled afresh with `lanes`-wide pmaddwd (0: the plain loops), or a skip where the CPU cannot run it."""
     from numba import njit
 
-    from a3b_core.backends import cpu_kernels as ck
+    from a3b_core.kernels import cpu_numba as ck
     if lanes > ck.PMADD_LANES:
         pytest.skip(f"this CPU's numba target has no {lanes}-lane pmaddwd")
     monkeypatch.setattr(ck, "PMADD_LANES", lanes)

@@ -12,7 +12,7 @@ import pytest
 from a3b_core import load_model
 from a3b_core.__main__ import main as cli
 from a3b_core.errors import ConfigError
-from a3b_core.remote import RemoteChat, _thinking_switch
+from a3b_core.services.openai_client import RemoteChat, _thinking_switch
 from nodes.prompt_spec import SINGLE, THINKING_MODES, PromptSpec, build_prompts
 from tests.test_chat_template import QWEN3_5_TEMPLATE, folder, load  # noqa: F401 (folder: a fixture)
 

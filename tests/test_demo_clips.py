@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from a3b_core.engine import load_model
-from a3b_core.tokenizer import Tokenizer
+from a3b_core.prompting.tokenizer import Tokenizer
+from a3b_core.runtime.loader import load_model
 from bench.demo_model import clips, dataset, train
 from bench.demo_model.build_tokenizer import build_demo_tokenizer
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from a3b_core.tokenizer import SPECIAL_TOKENS, THINK_TOKENS
+from a3b_core.prompting.tokenizer import SPECIAL_TOKENS, THINK_TOKENS
 from bench.demo_model import dataset
 from bench.demo_model.build_tokenizer import DEMO_VOCAB_SIZE, build_demo_tokenizer
 from bench.demo_model.dataset import (BACKGROUND_QUESTION, COLOURS, COUNT_QUESTION, EMPTY_CELL_ANSWER, IMAGE_SIZE,

@@ -15,9 +15,9 @@ import torch
 from PIL import ImageCms
 from safetensors import safe_open
 
-from a3b_core.engine import load_model
-from a3b_core.image import load_image
-from a3b_core.tokenizer import Tokenizer
+from a3b_core.media.image import load_image
+from a3b_core.prompting.tokenizer import Tokenizer
+from a3b_core.runtime.loader import load_model
 from bench.demo_model import dataset
 from bench.demo_model.build_tokenizer import build_demo_tokenizer
 from bench.demo_model.train import (DEMO_DIR, DEMO_FP8_DIR, TEST_SEED, caption_files, clip_accuracy, config_text,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from a3b_core.engine import load_model
+from a3b_core.runtime.loader import load_model
 from bench.demo_model import dataset, train
 
 

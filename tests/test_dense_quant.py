@@ -5,10 +5,10 @@ import torch
 from torch import nn
 
 from a3b_core import load_model
-from a3b_core.backends.dense import QuantizedLinear
-from a3b_core.backends.products import FusedLinear
 from a3b_core.errors import PlacementError
-from a3b_core.placement import plan_for_folder
+from a3b_core.formats.dense import QuantizedLinear
+from a3b_core.kernels.cpu_linear import FusedLinear
+from a3b_core.runtime.placement import plan_for_folder
 from tests.fake_cuda import FakeCuda
 from tests.test_bad_inputs import FIX
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from a3b_core import load_model
-from a3b_core.backends.experts import QuantizedStack, TorchInt4Stack
+from a3b_core.formats.stores import QuantizedStack, TorchInt4Stack
 
 FORMAT_BYTES_VS_BF16 = {"int8": (0.49, 0.52), "int4": (0.26, 0.29), "fp8": (0.49, 0.52)}
 
@@ -101,7 +101,7 @@ def test_the_int4_cache_serves_every_instruction_set(fixtures, tmp_path):
     instruction set, is made at load. A cache written under one instruction set is read under another (without
     numba, so that torch's packing is made), to the same logits."""
     script = ("import sys, torch; from safetensors.torch import save_file; from a3b_core import load_model; "
-              "from a3b_core.checkpoint import Checkpoint; from a3b_core.engine import expert_cache_dir; "
+              "from a3b_core.release.safetensors import Checkpoint; from a3b_core.runtime.loader import expert_cache_dir; "
               "model = load_model(sys.argv[1], preset='cpu', compute_dtype='float32', weight_format='int4'); "
               "save_file({'logits': model.logits(torch.tensor([[1, 5, 9, 13, 2]]))}, sys.argv[2]); "
               "print(torch.backends.cpu.get_cpu_capability(), expert_cache_dir(Checkpoint(sys.argv[1]), 'int4'))")

@@ -29,15 +29,15 @@ from PIL import Image, ImageDraw
 from safetensors.torch import save_file
 
 from a3b_core import load_model
-from a3b_core.chat_template import RENDER_SECONDS, FolderTemplate
-from a3b_core.checkpoint import Checkpoint, read_header
-from a3b_core.config import MAX_LAYERS, ModelConfig
-from a3b_core.models import load_config, parse_config
 from a3b_core.errors import ChatTemplateError, CheckpointError, ConfigError, ImageError, PromptError
-from a3b_core.image import MAX_INPUT_PIXELS, load_image
+from a3b_core.media.image import MAX_INPUT_PIXELS, load_image
+from a3b_core.models import load_config, parse_config
 from a3b_core.models.qwen3_5.chat_template import build_prompt
-from a3b_core.prompt import IMAGE_MARKER, Turn
-from a3b_core.tokenizer import Tokenizer, check_against_config
+from a3b_core.prompting.conversation import IMAGE_MARKER, Turn
+from a3b_core.prompting.folder_template import RENDER_SECONDS, FolderTemplate
+from a3b_core.prompting.tokenizer import Tokenizer, check_against_config
+from a3b_core.release.config import MAX_LAYERS, ModelConfig
+from a3b_core.release.safetensors import Checkpoint, read_header
 from bench.soak import run_soak
 from nodes.captions import save_captions
 from tests.tiny_models import MOE_DIMS, TEXT_DIMS, TOKEN_IDS, VISION_DIMS

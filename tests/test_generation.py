@@ -6,9 +6,8 @@ import torch
 from a3b_core import ChatPrompt, EncodedImages, GenerationError, PromptError, load_model
 from a3b_core.models.qwen3_5.cache import Cache
 from a3b_core.models.qwen3_5.sizes import deltanet_state_bytes, kv_bytes
-from a3b_core.generation import (BUDGET_CLOSE, SequenceOutput, generate, generate_batch,
-                                 split_reasoning)
-from a3b_core.prompt import Prompt
+from a3b_core.prompting.conversation import Prompt
+from a3b_core.runtime.generation import BUDGET_CLOSE, SequenceOutput, generate, generate_batch, split_reasoning
 
 INT8_LOGIT_TOLERANCE = 0.02  # max |logit difference| / std(logits) vs the fp32 cache
 

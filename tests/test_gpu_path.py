@@ -18,11 +18,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from a3b_core import load_model
-from a3b_core.engine import DEMO_MODELS
-from a3b_core.backends.experts import Fp8Linear, QuantizedExperts, quantize_fp8
-from a3b_core.backends.kernel_experts import KERNEL_FORMATS, KernelExperts, kernels_enabled
-from a3b_core.options import FLOAT_FORMATS
-from a3b_core.placement import CUDA_CONTEXT_BYTES, plan_for_folder
+from a3b_core.formats.kernel_stores import KERNEL_FORMATS, KernelExperts, kernels_enabled
+from a3b_core.formats.stores import Fp8Linear, QuantizedExperts, quantize_fp8
+from a3b_core.runtime.loader import DEMO_MODELS
+from a3b_core.runtime.options import FLOAT_FORMATS
+from a3b_core.runtime.placement import CUDA_CONTEXT_BYTES, plan_for_folder
 from tests.fake_cuda import FakeCuda
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 
@@ -211,10 +211,10 @@ def test_fp8_dense_layers_compute_on_the_gpu():
 
 
 def test_int4_experts_are_refused_on_the_gpu(folders, monkeypatch):
-    from a3b_core.checkpoint import Checkpoint
+    from a3b_core.release.safetensors import Checkpoint
     from a3b_core.models import load_config
     from a3b_core.errors import PlacementError
-    from a3b_core.models.layout import load_quantized_experts
+    from a3b_core.models.checkpoint_layout import load_quantized_experts
 
     folder = folders["moe_fused_bf16"]
     config = load_config(folder)

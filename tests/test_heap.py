@@ -7,7 +7,7 @@ import resource
 import pytest
 import torch
 
-from a3b_core.backends.heap import _glibc, heap_kept
+from a3b_core.runtime.glibc_heap import _glibc, heap_kept
 
 pytestmark = pytest.mark.skipif(_glibc() is None, reason="glibc heap tuning only")
 MiB = 2**20

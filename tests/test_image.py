@@ -1,4 +1,4 @@
-"""Tests for a3b_core.image: loading any image to sRGB RGB, resizing, and processor-exact patches.
+"""Tests for a3b_core.media.image: loading any image to sRGB RGB, resizing, and processor-exact patches.
 
 Every test image is generated here at test time; ICC profiles are built from primaries (no ICC files needed).
 """
@@ -19,20 +19,9 @@ from hypothesis import strategies as st
 from PIL import Image, ImageCms, ImageFile
 
 from a3b_core.errors import ImageError
-from a3b_core.image import (
-    MAX_INPUT_PIXELS,
-    RESIZE_MODES,
-    SHRINK_ABOVE_PIXELS,
-    load_image,
-    load_resized,
-    native_size,
-    preprocess,
-    preprocess_images,
-    resize_image,
-    smart_resize,
-    split_batch,
-    to_patches,
-)
+from a3b_core.media.image import (MAX_INPUT_PIXELS, RESIZE_MODES, SHRINK_ABOVE_PIXELS, load_image, load_resized,
+                                  native_size, preprocess, preprocess_images, resize_image, smart_resize, split_batch,
+                                  to_patches)
 from tests.hostile_inputs import EPS, REPO, child_peak_growth, fake_ghostscript, png_header_only
 
 
@@ -570,7 +559,7 @@ def test_postscript_is_refused_and_no_program_runs(tmp_path):
     script = f"""
 from pathlib import Path
 from a3b_core.errors import ImageError
-from a3b_core.image import load_image, load_resized
+from a3b_core.media.image import load_image, load_resized
 path = Path({str(path)!r})
 for load in (lambda: load_image(path), lambda: load_image(path.read_bytes()), lambda: load_resized(path)):
     try:
@@ -625,7 +614,7 @@ def test_a_huge_jpeg_is_decoded_at_a_fraction_of_its_size(tmp_path):
     path = tmp_path / "huge.jpg"
     Image.new("RGB", (8000, 8000), (200, 30, 30)).save(path, quality=90)
     growth = child_peak_growth(f"""
-from a3b_core.image import load_resized
+from a3b_core.media.image import load_resized
 # measure
 assert load_resized({str(path)!r}, 384, "stretch").size == (384, 384)
 """)
@@ -653,7 +642,7 @@ def test_float_video_frames_are_converted_a_frame_at_a_time():
     floats = 32 * 512 * 512 * 3 * 4
     growth = child_peak_growth("""
 import torch
-from a3b_core.video import as_uint8_frames
+from a3b_core.media.video import as_uint8_frames
 frames = torch.rand(32, 512, 512, 3)
 # measure
 assert as_uint8_frames(frames, "clip").dtype == torch.uint8

@@ -9,17 +9,18 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from a3b_core import load_model
-from a3b_core.backends import kernel_steps
-from a3b_core.backends.dense import QuantizedLinear
-from a3b_core.backends.experts import TorchInt4Stack
-from a3b_core.backends.kernel_experts import compiled_kernels, kernels_enabled
-from a3b_core.backends.kernel_steps import BF16_KERNEL_MIN_ROWS, AttentionLayerKernel, DeltaNetKernel, \
-    DeltaNetLayerKernel, DenseKernel, MoeStepKernel, NormKernel, attach_step_kernels
-from a3b_core.backends.products import CpuLinear, FusedLinear, linear
+from a3b_core.formats.dense import QuantizedLinear
+from a3b_core.formats.kernel_stores import compiled_kernels, kernels_enabled
+from a3b_core.formats.stores import TorchInt4Stack
+from a3b_core.kernels.cpu_linear import CpuLinear, FusedLinear, linear
+from a3b_core.models.layers import RMSNorm, rotary_cos_sin
 from a3b_core.models.qwen3_5.cache import Cache
 from a3b_core.models.qwen3_5.config import parse_text_config
-from a3b_core.models.layers import RMSNorm, rotary_cos_sin
 from a3b_core.models.qwen3_5.text import GatedDeltaNet, SparseMoE
+from a3b_core.runtime import step_kernels as kernel_steps
+from a3b_core.runtime.step_kernels import (BF16_KERNEL_MIN_ROWS, AttentionLayerKernel, DeltaNetKernel,
+                                           DeltaNetLayerKernel, DenseKernel, MoeStepKernel, NormKernel,
+                                           attach_step_kernels)
 from tests.test_cpu_kernels import step_bound
 
 pytestmark = pytest.mark.skipif(compiled_kernels() is None, reason="numba is not installed or cannot compile")

@@ -12,15 +12,15 @@ import torch
 
 from a3b_core import EncodedImages, load_model
 from a3b_core.errors import ConfigError, ImageError, PromptError
-from a3b_core.generation import BUDGET_CLOSE
-from a3b_core.prompt import Turn
+from a3b_core.prompting.conversation import Turn
+from a3b_core.runtime.generation import BUDGET_CLOSE
+from a3b_core.runtime.options import PRESET_NAMES, LoadOptions
+from a3b_core.runtime.placement import PRESETS
 from nodes import comfy_bridge
 from nodes.generation import generate_answers, speed_line
 from nodes.image_batch import encode_image_batch
 from nodes.live_text import LiveText
 from nodes.model_folders import DEMO_MODEL, list_model_folders, loader_choices, resolve_model
-from a3b_core.options import PRESET_NAMES, LoadOptions
-from a3b_core.placement import PRESETS
 from nodes.model_handle import A3BModelHandle, preset_budget_bytes
 from nodes.prompt_spec import PromptSpec, build_prompts
 from tests.test_bad_inputs import FIX
@@ -265,7 +265,7 @@ def test_the_engine_runs_on_comfyuis_device_when_it_is_a_cuda_gpu(comfy_device: 
 
 
 def test_preset_budgets() -> None:
-    """The preset names spelled once (a3b_core.options) are the planner's, and each frees what it plans for."""
+    """The preset names spelled once (a3b_core.runtime.options) are the planner's, and each frees what it plans for."""
     assert set(PRESET_NAMES) == {"auto", "cpu", *PRESETS}
     assert preset_budget_bytes("cpu") == 0
     for name, preset in PRESETS.items():

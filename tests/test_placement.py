@@ -12,13 +12,12 @@ import torch
 from safetensors.torch import save_file
 
 from a3b_core.__main__ import main
-from a3b_core.checkpoint import DTYPES
-from a3b_core.models import parse_config
 from a3b_core.errors import PlacementError
+from a3b_core.models import parse_config
+from a3b_core.models.checkpoint_layout import classify, expert_layout
 from a3b_core.models.qwen3_5.sizes import kv_bytes
-from a3b_core.models.layout import classify, expert_layout
-from a3b_core.placement import (CPU_WORKSPACE_BYTES, GiB, PRESETS, Plan,
-                                make_plan, plan_for_folder, tensor_bytes)
+from a3b_core.release.safetensors import DTYPES
+from a3b_core.runtime.placement import CPU_WORKSPACE_BYTES, GiB, PRESETS, Plan, make_plan, plan_for_folder, tensor_bytes
 
 DATA = Path(__file__).parent / "data"
 ROOT = Path(__file__).parent.parent

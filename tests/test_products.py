@@ -7,13 +7,13 @@ import torch
 import torch.nn.functional as F
 
 from a3b_core import load_model
-from a3b_core.backends.experts import CpuFloatExperts
-from a3b_core.backends.kernel_experts import KernelExperts, kernels_enabled
-from a3b_core.backends.packed import PackedLinear, packing_available
-from a3b_core import backends
-from a3b_core.backends import products
-from a3b_core.backends.products import CpuLinear, FusedLinear, linear
-from a3b_core.checkpoint import Checkpoint
+from a3b_core.formats.kernel_stores import KernelExperts, kernels_enabled
+from a3b_core.formats.stores import CpuFloatExperts
+from a3b_core.kernels import cpu_linear as products
+from a3b_core.kernels.cpu_linear import CpuLinear, FusedLinear, linear
+from a3b_core.kernels.onednn_packing import PackedLinear, packing_available
+from a3b_core.release.safetensors import Checkpoint
+from a3b_core.runtime import cpu_swaps as backends
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 
 

@@ -10,11 +10,11 @@ from hypothesis import strategies as st
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 
-from a3b_core.chat_messages import conversation_from_messages
 from a3b_core.errors import PromptError
 from a3b_core.models.qwen3_5.chat_template import build_prompt
-from a3b_core.prompt import IMAGE_MARKER, Prompt, Turn, count_image_markers
-from a3b_core.tokenizer import Tokenizer
+from a3b_core.prompting.conversation import IMAGE_MARKER, Prompt, Turn, count_image_markers
+from a3b_core.prompting.tokenizer import Tokenizer
+from a3b_core.services.openai_messages import conversation_from_messages
 from tests.tiny_tokenizer import build_tiny_tokenizer
 
 TEMPLATE_PATH = Path(__file__).parent / "data" / "qwen3_5_chat_template.jinja"

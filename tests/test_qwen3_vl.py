@@ -10,13 +10,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from a3b_core import load_model
-from a3b_core.checkpoint import Checkpoint
 from a3b_core.errors import CheckpointError, ConfigError
-from a3b_core.generation import generate
-from a3b_core.inputs import ChatPrompt, EncodedImages
 from a3b_core.models import family_for, parse_config
 from a3b_core.models.kv_cache import KVCache
-from a3b_core.prompt import Prompt
+from a3b_core.prompting.conversation import Prompt
+from a3b_core.release.safetensors import Checkpoint
+from a3b_core.runtime.generation import generate
+from a3b_core.runtime.inputs import ChatPrompt, EncodedImages
 from tests.test_bad_inputs import FIX
 from tests.test_text_model import logits_and_router_choices
 from tests.tiny_qwen3_vl import MOE_DIMS, build_qwen3_vl_fixtures

@@ -17,8 +17,8 @@ import torch
 from a3b_core.__main__ import main
 from a3b_core.errors import PlacementError
 from a3b_core.models import parse_config
-from a3b_core.models.layout import expert_layout
-from a3b_core.placement import GiB, PRESETS, make_plan, plan_for_folder
+from a3b_core.models.checkpoint_layout import expert_layout
+from a3b_core.runtime.placement import GiB, PRESETS, make_plan, plan_for_folder
 from tests.test_placement import bytes_read, part, run_cli, write_header_only_checkpoint
 
 DATA = Path(__file__).parent / "data"

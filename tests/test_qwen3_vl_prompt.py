@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from a3b_core import load_model
 from a3b_core.models.qwen3_vl.chat_template import always_thinks, build_prompt
-from a3b_core.prompt import IMAGE_MARKER, Turn, count_image_markers
-from a3b_core.tokenizer import Tokenizer
+from a3b_core.prompting.conversation import IMAGE_MARKER, Turn, count_image_markers
+from a3b_core.prompting.tokenizer import Tokenizer
 from tests.test_prompt import IMAGE, assert_matches_official, official_content, official_template
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 from tests.tiny_tokenizer import build_tiny_tokenizer

@@ -1,4 +1,4 @@
-"""The remote model (a3b_core.remote) against `python -m a3b_core serve` on the demo model, through the same calls the
+"""The remote model (a3b_core.services.openai_client) against `python -m a3b_core serve` on the demo model, through the same calls the
 Image Encode and Generate nodes make: the same pixels, prompts and greedy answers as the local engine, live text,
 Stop, parallel per-image requests, the API key rules and the errors a user can meet."""
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from a3b_core import GenerationError, PromptError, RemoteError, load_model
-from a3b_core.remote import RemoteImages, RemoteModel, checked_base_url
-from a3b_core.serve import decode_image_url
+from a3b_core.services.openai_client import RemoteImages, RemoteModel, checked_base_url
+from a3b_core.services.openai_server import decode_image_url
 from nodes.generation import generate_answers
-from nodes.remote_handle import RemoteModelHandle
 from nodes.prompt_spec import PER_IMAGE, SINGLE, PromptSpec, build_prompts
+from nodes.remote_handle import RemoteModelHandle
 from tests.integration.pixel_art_inputs import INPUTS, expected_captions
 from tests.served import Served, start_served
 from tests.test_bad_inputs import FIX
@@ -261,7 +261,7 @@ def test_generation_can_run_inside_a_running_event_loop(remote):
 
 def test_only_the_client_and_the_server_import_a_networking_module():
     networking = {"aiohttp", "urllib", "http", "socket", "ssl", "requests", "httpx", "huggingface_hub", "transformers"}
-    allowed = {"a3b_core/remote.py": {"aiohttp", "urllib"}, "a3b_core/serve.py": {"aiohttp"}}
+    allowed = {"a3b_core/services/openai_client.py": {"aiohttp", "urllib"}, "a3b_core/services/openai_server.py": {"aiohttp"}}
     root = Path(__file__).resolve().parents[1]
     found = {}
     for path in sorted([*root.glob("a3b_core/**/*.py"), *root.glob("nodes/*.py")]):

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from a3b_core.errors import GenerationError
-from a3b_core.sampling import (NOT_FINITE, QWEN_RECOMMENDED, Sampler, SamplingParams, apply_penalties, filter_min_p,
-                               filter_top_p, resolve_sampling)
+from a3b_core.runtime.sampling import (NOT_FINITE, QWEN_RECOMMENDED, Sampler, SamplingParams, apply_penalties,
+                                       filter_min_p, filter_top_p, resolve_sampling)
 
 PROBS = [0.5, 0.3, 0.15, 0.05]
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from a3b_core import GenerationError, PromptError, load_model
-from a3b_core.caption_folder import FolderJob, run_to_end
-from a3b_core.generation import generate_batch, prefill_prefix
-from a3b_core.options import GenerationOptions
+from a3b_core.runtime.generation import generate_batch, prefill_prefix
+from a3b_core.runtime.options import GenerationOptions
+from a3b_core.services.caption_folder import FolderJob, run_to_end
 from tests.test_bad_inputs import FIX
 from tests.tiny_models import synthetic_image
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from a3b_core import load_model
-from a3b_core.engine import resolve_compute_dtype
 from a3b_core.models import layers
 from a3b_core.models.layers import FP16_LIMIT, rotary_cos_sin
+from a3b_core.runtime.loader import resolve_compute_dtype
 
 LAYOUTS = ["moe_hf", "moe_fused_bf16", "moe_fp8", "moe_text", "dense"]
 TOL = 1e-4

@@ -7,9 +7,9 @@ import pytest
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as HFTokenizer
 
-from a3b_core.models import parse_config
 from a3b_core.errors import CheckpointError, ConfigError
-from a3b_core.tokenizer import SPECIAL_TOKENS, StreamDecoder, Tokenizer, check_against_config
+from a3b_core.models import parse_config
+from a3b_core.prompting.tokenizer import SPECIAL_TOKENS, StreamDecoder, Tokenizer, check_against_config
 from tests.tiny_models import MOE_DIMS, TEXT_DIMS, TOKEN_IDS, VISION_DIMS
 from tests.tiny_tokenizer import build_tiny_tokenizer
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from a3b_core import EncodedImages, PromptError, VideoError, load_model
+from a3b_core.media.video import _read_with_opencv, read_video
 from a3b_core.models.qwen3_5.chat_template import build_prompt as qwen3_5_prompt
 from a3b_core.models.qwen3_vl.chat_template import build_prompt as qwen3_vl_prompt
-from a3b_core.prompt import Turn, VideoTokens
-from a3b_core.tokenizer import Tokenizer
-from a3b_core.video import _read_with_opencv, read_video
-from nodes.prompt_spec import PER_IMAGE, PromptSpec, build_prompts
+from a3b_core.prompting.conversation import Turn, VideoTokens
+from a3b_core.prompting.tokenizer import Tokenizer
 from nodes.captions import caption_stems
+from nodes.prompt_spec import PER_IMAGE, PromptSpec, build_prompts
 from nodes.video_batch import encode_clips, item_names
 from tests import tiny_models as tm
 from tests.test_bad_inputs import FIX

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from a3b_core import load_model
-from a3b_core.checkpoint import DTYPES
 from a3b_core.models.qwen3_5.sizes import deltanet_state_bytes, kv_bytes
-from a3b_core.placement import GiB
+from a3b_core.release.safetensors import DTYPES
+from a3b_core.runtime.placement import GiB
 from tests.fake_cuda import FakeCuda
 from tests.test_placement import DATA, inventory
 

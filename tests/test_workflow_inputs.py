@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from a3b_core.video import read_video
+from a3b_core.media.video import read_video
 from bench.demo_model.dataset import draw, draw_scenes, parse_caption, parse_shot
 from tests.integration import pixel_art_inputs, storyboard_inputs, video_inputs, view_inputs
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import ModelConfig, StoredLayers, read_config
 from ..errors import ConfigError
+from ..release.config import ModelConfig, StoredLayers, read_config
 from . import qwen3_5, qwen3_vl
 from .family import Family
 

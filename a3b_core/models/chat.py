@@ -14,9 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..prompt import (IMAGE_PAD, VIDEO_PAD, ImagePart, MediaTokens, Message, Prompt, Turn, VideoPart, conversation,
-                      tokenize)
-from ..tokenizer import Tokenizer
+from ..prompting.conversation import (IMAGE_PAD, VIDEO_PAD, ImagePart, MediaTokens, Message, Prompt, Turn, VideoPart,
+                                      conversation, tokenize)
+from ..prompting.tokenizer import Tokenizer
 
 _VISION_TEXT = {ImagePart: ("Picture", "<|vision_start|>" + IMAGE_PAD + "<|vision_end|>"),
                 VideoPart: ("Video", "<|vision_start|>" + VIDEO_PAD + "<|vision_end|>")}

@@ -10,8 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..checkpoint import Checkpoint
-from ..config import ModelConfig, StoredLayers
+from ..release.config import ModelConfig, StoredLayers
+from ..release.safetensors import Checkpoint
 
 Tensors = Mapping[str, tuple[tuple[int, ...], torch.dtype]]  # checkpoint name -> (shape, dtype)
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from ..errors import PromptError
-from ..options import FLOAT_FORMATS, checked_kv_format
+from ..runtime.options import FLOAT_FORMATS, checked_kv_format
 
 INT8_MAX = 127
 

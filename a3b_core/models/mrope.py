@@ -13,8 +13,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..config import ModelConfig
 from ..errors import PromptError
+from ..release.config import ModelConfig
 
 
 def mrope_position_ids(input_ids: Tensor, image_grids: list[tuple[int, int, int]], pad_ids: int | Sequence[int],

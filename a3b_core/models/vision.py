@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..config import field, layer_count, positive
 from ..errors import ConfigError, ImageError
+from ..release.config import field, layer_count, positive
 
 LAYER_NORM_EPS = 1e-6
 
@@ -263,8 +263,8 @@ class VisionTower(nn.Module):
         for index, (t, gh, gw) in enumerate(grids):
             if min(t, gh, gw) <= 0 or gh % merge or gw % merge:
                 raise ImageError(f"image {index}: patch grid (t={t}, h={gh}, w={gw}) is invalid; expected positive "
-                                 f"sizes with h and w multiples of {merge}. Preprocess images with a3b_core.image.")
+                                 f"sizes with h and w multiples of {merge}. Preprocess images with a3b_core.media.image.")
         expected = sum(t * gh * gw for t, gh, gw in grids)
         if pixel_values.dim() != 2 or pixel_values.shape != (expected, self.patch_dim):
             raise ImageError(f"pixel_values has shape {tuple(pixel_values.shape)}; the grids {grids} need "
-                             f"({expected}, {self.patch_dim}). Preprocess images with a3b_core.image.")
+                             f"({expected}, {self.patch_dim}). Preprocess images with a3b_core.media.image.")

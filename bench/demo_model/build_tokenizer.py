@@ -6,7 +6,7 @@ from collections.abc import Iterable
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from a3b_core.tokenizer import SPECIAL_TOKENS, THINK_TOKENS
+from a3b_core.prompting.tokenizer import SPECIAL_TOKENS, THINK_TOKENS
 
 from .dataset import grammar_phrases
 

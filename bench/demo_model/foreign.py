@@ -174,7 +174,7 @@ def caption_scores(caption: str, scene: ForeignScene) -> dict[str, bool]:
 
 def foreign_scores(folder: Path | str, n: int, seed: int = FOREIGN_SEED) -> dict[str, float]:
     """The share of `n` foreign scenes whose greedy caption (through the engine) passes each of SCORES."""
-    from a3b_core.engine import load_model
+    from a3b_core.runtime.loader import load_model
     from .train import caption_files
     scenes = foreign_scenes(n, seed)
     with tempfile.TemporaryDirectory() as tmp:

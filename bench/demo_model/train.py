@@ -63,16 +63,16 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from a3b_core import video as video_pipeline
-from a3b_core.engine import DEMO_MODELS, load_model
-from a3b_core.image import to_patches
+from a3b_core.media import video as video_pipeline
+from a3b_core.media.image import to_patches
 from a3b_core.models import parse_config
 from a3b_core.models.mrope import mrope_position_ids
 from a3b_core.models.qwen3_5.chat_template import build_prompt
 from a3b_core.models.qwen3_5.text import TextModel
 from a3b_core.models.vision import VisionTower
-from a3b_core.prompt import MediaTokens, Turn, VideoTokens
-from a3b_core.tokenizer import Tokenizer
+from a3b_core.prompting.conversation import MediaTokens, Turn, VideoTokens
+from a3b_core.prompting.tokenizer import Tokenizer
+from a3b_core.runtime.loader import DEMO_MODELS, load_model
 
 from . import clips, dataset
 from .build_tokenizer import build_demo_tokenizer

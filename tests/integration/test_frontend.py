@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from a3b_core.tokenizer import Tokenizer
+from a3b_core.prompting.tokenizer import Tokenizer
 from bench.demo_model.train import DEMO_DIR
 from tests.integration.comfy_server import CHROMIUM, NODE_MODULES, PACK_NAME, ComfyServer
 from tests.integration.conftest import (TEST_MAX_NEW_TOKENS, TINY_MODEL, WORKFLOWS, caption_file_names,

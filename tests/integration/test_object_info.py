@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from a3b_core.options import CHAT_TEMPLATES, DENSE_FORMATS, KV_FORMATS, WEIGHT_FORMATS
-from a3b_core.sampling import resolve_sampling
+from a3b_core.runtime.options import CHAT_TEMPLATES, DENSE_FORMATS, KV_FORMATS, WEIGHT_FORMATS
+from a3b_core.runtime.sampling import resolve_sampling
 from tests.integration.comfy_server import PACK_NAME
 from tests.integration.conftest import BROKEN_MODEL, TINY_MODEL
 
@@ -64,7 +64,7 @@ def test_loader_offers_the_demo_and_the_llm_folder_models(object_info: dict) -> 
     assert {TINY_MODEL, BROKEN_MODEL} <= set(models)
     assert inputs["vram_preset"][1]["options"] == ["auto", "8gb", "12gb", "16gb", "24gb", "48gb", "cpu"]
     assert inputs["vram_preset"][1]["default"] == "auto"
-    # the engine's own vocabulary, spelled once in a3b_core.options
+    # the engine's own vocabulary, spelled once in a3b_core.runtime.options
     assert inputs["weight_format"][1]["options"] == list(WEIGHT_FORMATS)
     assert inputs["kv_cache"][1]["options"] == list(KV_FORMATS)
     # ComfyUI here runs with --cpu on a machine without GPUs: its device, or the CPU; the last widgets, optional

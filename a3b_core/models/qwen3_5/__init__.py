@@ -2,9 +2,9 @@
 sizes that share the architecture, text-only or with their vision tower."""
 from __future__ import annotations
 
+from ..checkpoint_layout import (VISION_PREFIXES, VISION_PROBE, classify, expert_layout, load_text_model,
+                                 place_text_model, stored_layers)
 from ..family import Family
-from ..layout import (VISION_PREFIXES, VISION_PROBE, classify, expert_layout, load_text_model, place_text_model,
-                      stored_layers)
 from ..mrope import positions
 from ..vision import VisionTower
 from .cache import Cache

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...config import (ModelConfig, StoredLayers, check_grouped, eos_token_ids, experts_per_token, field, layer_count,
-                       model_config, positive, positive_real, rope_config)
 from ...errors import ConfigError
+from ...release.config import (ModelConfig, StoredLayers, check_grouped, eos_token_ids, experts_per_token, field,
+                               layer_count, model_config, positive, positive_real, rope_config)
 from ..vision import parse_vision_config
 
 MODEL_TYPES = {

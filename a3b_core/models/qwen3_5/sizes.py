@@ -2,7 +2,7 @@
 the DeltaNet state, and the activations of a prompt token while prefilling."""
 from __future__ import annotations
 
-from ...config import ModelConfig
+from ...release.config import ModelConfig
 from .. import kv_cache
 from ..layers import ATTENTION_SCORES_BYTES
 from .text import GDN_CHUNK

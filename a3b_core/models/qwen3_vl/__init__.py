@@ -2,9 +2,9 @@
 sizes (2B, 4B, 8B, 32B), text-only or with their DeepStack vision tower."""
 from __future__ import annotations
 
+from ..checkpoint_layout import (VISION_PREFIXES, VISION_PROBE, classify, expert_layout, load_text_model,
+                                 place_text_model, stored_layers)
 from ..family import Family
-from ..layout import (VISION_PREFIXES, VISION_PROBE, classify, expert_layout, load_text_model, place_text_model,
-                      stored_layers)
 from ..mrope import positions
 from ..vision import VisionTower
 from .chat_template import always_thinks, build_prompt

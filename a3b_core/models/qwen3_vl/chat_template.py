@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ...chat_template import template_source
 from ...errors import ChatTemplateError
-from ...prompt import Prompt
-from ...tokenizer import Tokenizer
+from ...prompting.conversation import Prompt
+from ...prompting.folder_template import template_source
+from ...prompting.tokenizer import Tokenizer
 from ..chat import ChatFormat, answer_after_thinking, render
 
 INSTRUCT = ChatFormat(trimmed=False, answer=lambda answer, reasoning: answer, assistant_opening=lambda thinking: "")

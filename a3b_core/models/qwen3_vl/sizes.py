@@ -2,7 +2,7 @@
 and the activations of a prompt token while prefilling. There is no recurrent state."""
 from __future__ import annotations
 
-from ...config import ModelConfig
+from ...release.config import ModelConfig
 from .. import kv_cache
 from ..layers import ATTENTION_SCORES_BYTES
 

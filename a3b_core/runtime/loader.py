@@ -1,0 +1,475 @@
+"""load_model() and A3BModel: the engine contract the nodes, the CLI and the tests use."""
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, ConfigError, ImageError, ModelReleasedError, PromptError, VideoError
+from ..formats.stores import CONVERTED_FORMATS
+from ..media import image as image_pipeline
+from ..media import video as video_pipeline
+from ..models import family_for, family_of
+from ..prompting.conversation import VIDEO_PAD, Turn, VideoTokens, tokenize
+from ..prompting.folder_template import FolderTemplate, find_chat_template
+from ..prompting.tokenizer import Tokenizer, check_against_config
+from ..release.config import ModelConfig, read_config
+from ..release.safetensors import Checkpoint
+from ..release.weights import Progress, find_prefix, load_module
+from . import cpu_swaps as backends, devices
+from .generation import GenerationResult, SharedPrefix, generate, generate_batch, prefill_prefix
+from .inputs import ChatPrompt, EncodedImages, ImageSource, check_input_ids
+from .options import BUILT_IN_TEMPLATE, CHAT_TEMPLATES, COMPUTE_DTYPES, FORMAT_OF_DTYPE
+from .placement import Plan, make_plan
+
+EXPERT_CACHE_VERSION = 2  # 2: int4 in experts.quantize_int4's own layout
+VIDEO_GROUPS_PER_PASS = 8  # frame groups through the vision tower at once: bounds its memory for long clips
+DEMO_MODEL_NAME = "a3b-demo"  # load_model's default
+DEMO_MODELS = {name: Path(__file__).parents[1] / "demo" / name for name in (DEMO_MODEL_NAME, "a3b-demo-fp8")}
+
+
+@dataclass
+class LoadStats:
+    seconds: float = 0.0
+    tensors: int = 0
+
+
+def resolve_model_path(path: str | Path | None) -> Path:
+    """The model folder for `path`: the name of an embedded demo model (None: a3b-demo), else a folder path. Every
+    command and load_model name models this way."""
+    name = DEMO_MODEL_NAME if path is None else str(path)
+    if name in DEMO_MODELS:
+        folder = DEMO_MODELS[name]
+        if not (folder / "config.json").is_file():
+            raise ConfigError(f"the embedded demo model is missing from {folder}; reinstall the pack or pass "
+                              "the path of a model folder.")
+        return folder
+    folder = Path(name).expanduser()
+    if not name.strip() or not folder.is_dir():
+        raise ConfigError(f"{folder}: model folder not found. Pass the folder that holds config.json and the "
+                          f".safetensors files (for example models/LLM/Qwen3.5-35B-A3B), or the name of an "
+                          f"embedded demo model ({', '.join(DEMO_MODELS)}).")
+    return folder
+
+
+def resolve_compute_dtype(compute_dtype: str, device: torch.device) -> torch.dtype:
+    """auto is bf16 where it runs natively: on CPUs, where it halves the weights read per token, and on GPUs from
+    Ampere on. Older GPUs get fp16, whose narrower range the text model guards (model.FP16_LIMIT). Norms, softmaxes
+    and the DeltaNet state stay fp32 regardless."""
+    if compute_dtype == "auto":
+        return torch.bfloat16 if devices.bf16_is_native(device) else torch.float16
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ConfigError(f"compute_dtype {compute_dtype!r} is not supported; use one of: auto, "
+                          f"{', '.join(COMPUTE_DTYPES)}.")
+    return COMPUTE_DTYPES[compute_dtype]
+
+
+class A3BModel:
+    def __init__(self, folder: Path, config: ModelConfig, text: torch.nn.Module, vision: torch.nn.Module | None,
+                 tokenizer: Tokenizer | None, plan: Plan, device: torch.device, dtype: torch.dtype,
+                 load_stats: LoadStats, chat_template: FolderTemplate | None = None):
+        self.folder = folder
+        self.config = config
+        self.family = family_for(config.model_type)
+        self.fixed_thinking = self.family.fixed_thinking(folder)  # a model that always (never) thinks: True (False)
+        self.text = text
+        self.vision = vision
+        self.tokenizer = tokenizer
+        self.plan = plan
+        self.device = device  # where hidden states live: the plan's dense device
+        self.dtype = dtype
+        self.load_stats = load_stats
+        self.chat_template = chat_template  # the folder's own, or None for the family's built-in one
+        self.default_thinking = self._default_thinking()
+
+    def _default_thinking(self) -> bool:
+        """Whether prompts think when the caller does not say: a variant's fixed mode (Qwen3-VL), else config.json's
+        a3b_default_thinking, else the chat template's own default (the folder's template rendered without
+        enable_thinking; the built-in Qwen3.5 template thinks, as Qwen's own does)."""
+        if self.fixed_thinking is not None:
+            return self.fixed_thinking
+        if self.config.default_thinking is not None:
+            return self.config.default_thinking
+        folder_default = self.chat_template.default_thinking() if self.chat_template is not None else None
+        return self.family.default_thinking if folder_default is None else folder_default
+
+    @property
+    def chat_template_in_use(self) -> str:
+        """Which chat template builds prompts: "model folder: <file>" or "built-in"."""
+        return self.chat_template.in_use if self.chat_template is not None else BUILT_IN_TEMPLATE
+
+    @property
+    def caption_prompt(self) -> str | None:
+        """The model folder's own captioning request (config.json's a3b_caption_prompt), if it has one."""
+        return self.config.caption_prompt
+
+    @property
+    def max_context(self) -> int:
+        return self.plan.max_context
+
+    @property
+    def kv_dtype(self) -> str:
+        """The plan's KV cache format (the names are the cache's own)."""
+        return self.plan.kv_dtype
+
+    def require_loaded(self) -> None:
+        if self.text is None:
+            raise ModelReleasedError(f"{self.folder}: this model was released (model.release()), so its weights are "
+                                     "gone. Load it again with load_model to use it.")
+
+    # ------------------------------------------------------------------------------------------- images
+    @torch.inference_mode()
+    def encode_images(self, images, size: int = 384, resize: str = "stretch", srgb: bool = True,
+                      background: tuple[int, int, int] = (255, 255, 255),
+                      progress: Progress | None = None) -> EncodedImages:
+        """Any images (paths, PIL, arrays, a ComfyUI IMAGE batch) -> vision embeddings, one entry per image. The
+        embeddings are kept in RAM (a few hundred KiB per image), not on the GPU, and join the prompt when used.
+
+        `srgb=False` ignores embedded ICC profiles (the pixels are taken as sRGB already); `background` is the colour
+        transparent pixels are composited over. `progress(done, total)` is called after each image."""
+        self.require_vision()
+        vcfg = self.config.vision
+        items = image_pipeline.split_batch(images)
+        patches = image_pipeline.preprocess_images(
+            items, size=size, mode=resize, srgb=srgb, background=background, patch_size=vcfg.patch_size,
+            temporal_patch_size=vcfg.temporal_patch_size, merge_size=vcfg.spatial_merge_size)
+        encoded = self.encode_patches(patches, len(items), progress)
+        encoded.sources = [ImageSource(item, resize, srgb, tuple(background)) for item in items]
+        return encoded
+
+    @torch.inference_mode()
+    def encode_patches(self, patches: Iterable[tuple[torch.Tensor, tuple[int, int, int]]], total: int,
+                       progress: Progress | None = None) -> EncodedImages:
+        """Preprocessed images (image.preprocess's results) through the vision tower, one entry per image."""
+        vision = self.require_vision()
+        vision_device = vision.pos_embed.weight.device
+        embeds, grids = [], []
+        for pixels, grid in patches:
+            embeds.append(vision(pixels.to(vision_device, self.dtype), [grid]).cpu())
+            grids.append(grid)
+            if progress is not None:
+                progress(len(grids), total)
+        return EncodedImages(embeds, grids)
+
+    # ------------------------------------------------------------------------------------------- videos
+    @torch.inference_mode()
+    def encode_video(self, video, frame_rate: float | None = None, fps: float = video_pipeline.DEFAULT_FPS,
+                     min_frames: int = video_pipeline.MIN_FRAMES, max_frames: int = video_pipeline.MAX_FRAMES,
+                     max_frame_tokens: int = video_pipeline.MAX_FRAME_TOKENS,
+                     max_pixels: int = video_pipeline.MAX_PIXELS,
+                     progress: Progress | None = None) -> EncodedImages:
+        """One clip -> its vision embeddings, one item that a prompt places with [[VID]] (and that joins encoded
+        images with +). `video`: a video file path (decoded with PyAV, else OpenCV), or frames [T, H, W, C] (uint8,
+        or float 0..1 as ComfyUI's IMAGE; or a list of [H, W, C] frames of one size) shown at `frame_rate` frames per
+        second.
+
+        As Qwen's video processor: `fps` frames per second of the clip are sampled, at least `min_frames` and at most
+        `max_frames`; every frame is resized to one size of at most `max_frame_tokens` LM tokens (and the clip to
+        `max_pixels` pixels in all); frames go in pairs, each pair one frame group with its timestamp in the prompt.
+        A clip whose tokens the model's context cannot hold is refused before the vision tower runs.
+        `progress(done, total)` is called after each batch of frame groups."""
+        vision = self.require_vision()
+        vcfg = self.config.vision
+        name = video_pipeline.describe(video)
+        clip = video_pipeline.load_video(video, frame_rate)
+        sampled = video_pipeline.preprocess_video(
+            clip.frames, clip.frame_rate, fps=fps, min_frames=min_frames, max_frames=max_frames,
+            max_frame_tokens=max_frame_tokens, max_pixels=max_pixels, patch_size=vcfg.patch_size,
+            temporal_patch_size=vcfg.temporal_patch_size, merge_size=vcfg.spatial_merge_size, name=name)
+        self._check_video_fits(sampled, clip, fps, name)
+        groups, gh, gw = sampled.grid
+        per_group = gh * gw
+        vision_device = vision.pos_embed.weight.device
+        embeds = []
+        for start in range(0, groups, VIDEO_GROUPS_PER_PASS):  # frame groups are independent in the vision tower
+            count = min(VIDEO_GROUPS_PER_PASS, groups - start)
+            pixels = sampled.pixel_values[start * per_group:(start + count) * per_group]
+            embeds.append(vision(pixels.to(vision_device, self.dtype), [(count, gh, gw)]).cpu())
+            if progress is not None:
+                progress(start + count, groups)
+        return EncodedImages([torch.cat(embeds)], [sampled.grid], [sampled.timestamps])
+
+    def _check_video_fits(self, sampled: video_pipeline.SampledVideo, clip: video_pipeline.VideoFrames, fps: float,
+                          name: str) -> None:
+        """Refuses a clip whose prompt tokens alone fill the model's context, saying which frame count and fps fit."""
+        groups, gh, gw = sampled.grid
+        merge = self.config.vision.spatial_merge_size
+        item = VideoTokens(gh * gw // merge ** 2, sampled.timestamps)
+        tokens = len(tokenize(self.tokenizer, VIDEO_PAD, (item,))) if self.tokenizer is not None else \
+            groups * (item.group_tokens + 2)
+        if tokens < self.max_context:
+            return
+        frames_per_group = self.config.vision.temporal_patch_size
+        fitting_groups = (self.max_context - 1) * groups // tokens
+        frames = fitting_groups * frames_per_group
+        seconds = clip.frames.shape[0] / clip.frame_rate
+        fit = (f"lower max_frames to {frames} or fewer (fps {frames / seconds:.3g} samples that many from this "
+               f"{seconds:.3g} s clip)" if frames else "no frame count fits at this frame size")
+        raise VideoError(f"{name}: {len(sampled.frame_indices)} frames sampled at fps {fps:g} give {tokens} prompt "
+                         f"tokens, but the model's context holds {self.max_context}. To fit, {fit}; or lower "
+                         "max_frame_tokens for smaller frames, or load the model with a larger max_context.")
+
+    def require_vision(self) -> torch.nn.Module:
+        self.require_loaded()
+        if self.vision is None:
+            raise ImageError(f"{self.folder}: this model has no vision tower (config.json has no vision_config or "
+                             "the model.visual.* weights are missing); use a vision-language model for images.")
+        return self.vision
+
+    # ------------------------------------------------------------------------------------------- prompts
+    def require_tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.folder}: tokenizer.json is missing, so text prompts cannot be built. Copy it "
+                              "from the model's release into the folder.")
+        return self.tokenizer
+
+    def build_prompt(self, user: str = "", system: str | None = None, images: EncodedImages | None = None,
+                     thinking: bool | None = None, history: Sequence[Turn] = (),
+                     add_vision_id: bool = False) -> "ChatPrompt":
+        """The conversation as this model's chat template renders it, with the images' embeddings; `thinking` None
+        takes the model's default_thinking."""
+        self.require_loaded()
+        images = images if images is not None else EncodedImages([], [])
+        if not isinstance(images, EncodedImages):
+            raise PromptError(f"images is a {type(images).__name__}; pass the result of model.encode_images(...), "
+                              "which turns pictures into what the model reads.")
+        if self.fixed_thinking is not None:  # the model's variant decides, whatever the prompt asks
+            thinking = self.fixed_thinking
+        elif thinking is None:
+            thinking = self.default_thinking
+        template = self.chat_template.build_prompt if self.chat_template is not None else self.family.build_prompt
+        prompt = template(self.require_tokenizer(), user, system=system, image_token_counts=images.prompt_tokens,
+                          thinking=thinking, history=history, add_vision_id=add_vision_id)
+        return ChatPrompt(prompt, images)
+
+    # ------------------------------------------------------------------------------------------- forward
+    def vision_pads(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Where input_ids hold an image or video pad, whose places the vision rows take in order."""
+        pad_ids = torch.tensor((self.config.image_token_id, self.config.video_token_id), device=input_ids.device)
+        return torch.isin(input_ids, pad_ids)
+
+    def image_rows(self, input_ids: torch.Tensor, images: EncodedImages | None) -> torch.Tensor | None:
+        """The images' and videos' rows, one per image or video pad of input_ids (checked), or None without images:
+        [n, hidden], or [n, 1 + levels, hidden] for a vision tower with DeepStack."""
+        if images is None:
+            return None
+        n_pads, image_rows = int(self.vision_pads(input_ids).sum()), sum(images.token_counts)
+        if n_pads != image_rows:
+            raise PromptError(f"input_ids hold {n_pads} image pad tokens but the images supply {image_rows} "
+                              "embedding rows; build prompts with model.build_prompt so pads and images agree.")
+        hidden, vision = self.config.text.hidden_size, self.config.vision
+        levels = len(vision.deepstack_indexes) if vision is not None else 0
+        expected = (1 + levels, hidden) if levels else (hidden,)
+        shapes = {tuple(e.shape[1:]) for e in images.embeds}
+        if shapes - {expected}:
+            deepstack = f", {levels} DeepStack levels" if levels else ""
+            raise PromptError(f"the encoded images have rows of shape {sorted(shapes)} but this model needs {expected} "
+                              f"({hidden} features per token{deepstack}): they were encoded by another model. Encode "
+                              "them again with this model's encode_images.")
+        return torch.cat(images.embeds) if n_pads else None
+
+    def embed_rows(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
+        """Token embeddings [B, T, H] on the model's device, the image pads (row-major) replaced by `image_rows`
+        (their first level, with DeepStack)."""
+        table = self.text.embed_tokens.weight
+        embeds = self.text.embed_tokens(input_ids.to(table.device)).to(self.device)
+        if image_rows is not None:
+            rows = image_rows[:, 0] if image_rows.dim() == 3 else image_rows
+            embeds[self.vision_pads(input_ids).to(self.device)] = rows.to(self.device, embeds.dtype)
+        return embeds
+
+    def deepstack(self, input_ids: torch.Tensor,
+                  image_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """What the text model adds after its first layers at the image pads (DeepStack), or None: the pads' indices
+        among the B*T tokens [n] (found in RAM, where input_ids are, so the device never reports a count back) and
+        the rows' later levels [n, levels, H]."""
+        if image_rows is None or image_rows.dim() != 3:
+            return None
+        pads = self.vision_pads(input_ids.cpu()).flatten().nonzero().squeeze(1)
+        return pads.to(self.device), image_rows[:, 1:].to(self.device)
+
+    def run_text(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None, position_ids: torch.Tensor, cache,
+                 attention_mask: torch.Tensor | None, last_only: bool) -> torch.Tensor:
+        """The text model on input_ids [B, T] with `image_rows` in place of their image pads."""
+        return self.text(self.embed_rows(input_ids, image_rows), position_ids, cache, attention_mask, last_only,
+                         self.deepstack(input_ids, image_rows))
+
+    def positions(self, input_ids: torch.Tensor, images: EncodedImages | None,
+                  attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Rotary positions [3, B, T] and each row's rope delta; left padding gets position 0. A row's images are
+        the next ones in `images` whose tokens its pads hold."""
+        b, t = input_ids.shape
+        positions = torch.zeros(3, b, t, dtype=torch.long)
+        deltas = []
+        pending = list(zip(images.grids, images.token_counts)) if images is not None else []
+        for row in range(b):
+            real = attention_mask[row].bool() if attention_mask is not None else torch.ones(t, dtype=torch.bool)
+            ids = input_ids[row][real.to(input_ids.device)].cpu()
+            n_pads, row_grids = int(self.vision_pads(ids).sum()), []
+            while n_pads > 0 and pending:
+                grid, tokens = pending.pop(0)
+                row_grids.append(grid)
+                n_pads -= tokens
+            pos, delta = self.family.positions(self.config, ids, row_grids)
+            positions[:, row, real] = pos
+            deltas.append(delta)
+        return positions.to(self.device), deltas
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, images: EncodedImages | None = None, cache=None,
+                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                last_only: bool = False) -> torch.Tensor:
+        if position_ids is None:
+            position_ids, _ = self.positions(input_ids, images, attention_mask)
+        mask = attention_mask.to(self.device) if attention_mask is not None else None
+        return self.run_text(input_ids, self.image_rows(input_ids, images), position_ids, cache, mask, last_only)
+
+    def prefill(self, input_ids: torch.Tensor, images: EncodedImages | None, cache,
+                attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
+                chunk: int | None = None) -> torch.Tensor:
+        """Runs a prompt batch (input_ids [B, T] in RAM) into `cache`, `chunk` tokens at a time (default: what the
+        plan's activation workspace holds); returns the last position's logits [B, V]."""
+        pads = self.vision_pads(input_ids)
+        image_rows = self.image_rows(input_ids, images)
+        per_row = image_rows.split(pads.sum(1).tolist()) if image_rows is not None else ()  # each row's own, in order
+        used = [0] * input_ids.shape[0]
+        chunk = chunk or self.prefill_chunk(input_ids.shape[0])
+        for start in range(0, input_ids.shape[1], chunk):
+            end = start + chunk
+            rows = None
+            counts = pads[:, start:end].sum(1).tolist()
+            if per_row and any(counts):
+                rows = torch.cat([r[u:u + n] for r, u, n in zip(per_row, used, counts)])
+                used = [u + n for u, n in zip(used, counts)]
+            mask = attention_mask[:, start:end].to(self.device) if attention_mask is not None else None
+            logits = self.run_text(input_ids[:, start:end], rows, position_ids[..., start:end], cache, mask,
+                                   last_only=True)
+        return logits[:, -1]
+
+    def prefill_chunk(self, rows: int) -> int:
+        """Prompt tokens per forward pass for a batch of `rows`: what the plan's activation workspace holds."""
+        return self.family.prefill_chunk(self.config, self.plan.workspace_bytes, rows, FORMAT_OF_DTYPE[self.dtype])
+
+    def logits(self, input_ids: torch.Tensor, images: EncodedImages | None = None,
+               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """LongTensor [B, T] -> float32 logits [B, T, vocab]; no cache is kept."""
+        self.require_loaded()
+        input_ids = check_input_ids(input_ids, self.config.text.vocab_size)
+        return self.forward(input_ids, images if images is not None else EncodedImages([], []),
+                            attention_mask=attention_mask)
+
+    def new_cache(self, batch: int, max_len: int, kv_dtype: str | None = None):
+        """The family's generation cache for `batch` sequences of up to `max_len` tokens, on the model's device."""
+        return self.family.new_cache(self.config.text, batch, max_len, self.dtype, self.device, kv_dtype=kv_dtype)
+
+    # ------------------------------------------------------------------------------------------- generation
+    def generate(self, prompt, **options) -> GenerationResult:
+        """See a3b_core.runtime.generation.generate."""
+        return generate(self, prompt, **options)
+
+    def generate_batch(self, prompts, **options) -> list[GenerationResult]:
+        """See a3b_core.runtime.generation.generate_batch."""
+        return generate_batch(self, prompts, **options)
+
+    def prefill_prefix(self, ids: Sequence[int], kv_dtype: str | None = None) -> SharedPrefix:
+        """See a3b_core.runtime.generation.prefill_prefix."""
+        return prefill_prefix(self, ids, kv_dtype)
+
+    def text_before_images(self, prompt: ChatPrompt) -> list[int]:
+        """A built prompt's tokens before its first image or clip (all of them when it has none)."""
+        ids = list(prompt.input_ids)
+        pads = self.vision_pads(torch.tensor(ids)).nonzero()
+        return ids[:int(pads[0, 0])] if len(pads) else ids
+
+    def release(self) -> None:
+        """Drops the weights; the handle cannot be used afterwards (load the model again)."""
+        self.text = None
+        self.vision = None
+        devices.empty_cache(self.device)
+
+
+def expert_cache_dir(ckpt: Checkpoint, fmt: str) -> Path:
+    """Where converted experts of this checkpoint are kept: keyed by the weight files' names, sizes and times, and by
+    the cache's format version (its layouts are the same on every CPU)."""
+    root = Path(os.environ.get("A3B_CACHE_DIR", Path.home() / ".cache" / "a3b-nodes")) / "experts"
+    key = hashlib.sha256(repr((str(ckpt.folder.resolve()), fmt, EXPERT_CACHE_VERSION, [
+        (p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in ckpt.files])).encode()).hexdigest()[:16]
+    return root / f"{ckpt.folder.name}-{fmt}-{key}"
+
+
+def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", compute_dtype: str = "auto",
+               weight_format: str = "auto", kv_cache: str = "auto", max_context: int | None = None,
+               progress: Progress | None = None, device: str | torch.device = "auto",
+               ram_budget: int | None = None, chat_template: str = "auto", dense_format: str = "auto") -> A3BModel:
+    """Loads a model folder of a supported family (models/), or an embedded demo model, as the preset's placement plan
+    says, on `device` ("auto": the first CUDA GPU if there is one; "cpu"; "cuda" or "cuda:N"). The plan may use
+    `ram_budget` bytes of RAM (default: what the system reports available). `chat_template` "auto" builds prompts with
+    the folder's own chat template when it has one (chat_template.jinja, chat_template.json or tokenizer_config.json's),
+    else with the family's built-in one; "built-in" always uses the built-in one (model.chat_template_in_use says
+    which). `dense_format` "int8" / "int4" holds the text model's dense matrices (attention and DeltaNet projections,
+    shared experts, lm_head) weight-only quantised when the CPU computes them; "auto" keeps the compute dtype.
+
+    preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
+    started = time.perf_counter()
+    if chat_template not in CHAT_TEMPLATES:
+        raise ConfigError(f"chat_template {chat_template!r} is not supported; use one of: {', '.join(CHAT_TEMPLATES)} "
+                          "(auto: the model folder's own template when it has one; built-in: the pack's own).")
+    folder = resolve_model_path(path)
+    raw_config = read_config(folder)
+    where_config = str(folder / "config.json")
+    family = family_of(raw_config, where_config)
+    ckpt = Checkpoint(folder)  # headers only: config.json's layer counts are checked against them before any use
+    config = family.parse_config(raw_config, where_config, family.stored_layers(ckpt))
+    ckpt.fp8_block = config.fp8_block
+    tokenizer = None
+    if (folder / "tokenizer.json").is_file():
+        tokenizer = Tokenizer.from_folder(folder)
+        check_against_config(tokenizer, config, where_config)
+    folder_template = find_chat_template(folder) if chat_template == "auto" else None
+    device = devices.resolve_device(device)
+    dtype = resolve_compute_dtype(compute_dtype, device)
+    plan = make_plan(config, {n: (i.shape, i.dtype) for n, i in ckpt.infos.items()}, preset,
+                     weight_format=weight_format, dense_format=dense_format, kv_cache=kv_cache,
+                     max_context=max_context, has_cuda=device.type == "cuda", gpu_free=devices.free_bytes(device),
+                     cpu_free=ram_budget,
+                     compute_format=FORMAT_OF_DTYPE[dtype])
+
+    def where(plan_device: str) -> torch.device:
+        """The plan's device names ("cuda", "cpu") as this load's devices."""
+        return device if plan_device == "cuda" else torch.device("cpu")
+
+    def expert_placement(layer: int) -> tuple[str, torch.device]:
+        on_gpu = layer in plan.gpu_expert_layers
+        return (plan.expert_format_gpu if on_gpu else plan.expert_format_cpu), where("cuda" if on_gpu else "cpu")
+
+    def release_under(prefix: str) -> Callable[[str], None]:
+        """Drops the mapped checkpoint pages of a submodule that was copied into a new layout."""
+        return lambda name: ckpt.release_under(f"{prefix}{name}.")
+
+    try:
+        with torch.device("meta"):
+            text = family.text_model(config.text)
+        text_prefix = family.load_text(text, config.text, ckpt, dtype, progress, expert_placement,
+                                       {fmt: expert_cache_dir(ckpt, fmt) for fmt in CONVERTED_FORMATS},
+                                       keep_fp8=plan.dense_format == "fp8")
+        vision, vision_prefix = None, ""
+        if plan.vision_device != "none":
+            with torch.device("meta"):
+                vision = family.vision_tower(config.vision)
+            vision_prefix = find_prefix(ckpt, family.vision_probe, family.vision_prefixes, "vision")
+            load_module(vision, ckpt, vision_prefix, dtype)
+            devices.move(vision.eval(), where(plan.vision_device))
+    except (RuntimeError, ValueError) as exc:  # torch refusing a tensor that passed the header checks
+        raise CheckpointError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong "
+                              "to another model: download them again.") from exc
+    family.place_text(text.eval(), where(plan.dense_device), where(plan.embed_device),
+                      {layer: where("cuda") for layer in plan.gpu_expert_layers})
+    backends.prepare_cpu(text, vision, release_under(text_prefix), release_under(vision_prefix), plan.dense_format)
+    stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
+    return A3BModel(folder, config, text, vision, tokenizer, plan, where(plan.dense_device), dtype, stats,
+                    folder_template)

@@ -1,0 +1,534 @@
+"""Decoding work other than the routed experts computed by the numba kernels (cpu_kernels.py), attached at load to
+the modules that call them: a dense matrix's product with a few rows (a quantised matrix's products of more rows take
+its kernel-dequantised weights), a Gated DeltaNet layer's token step, a Qwen3.5 MoE block's whole token step,
+RMSNorms of a decoding step's bf16 rows, and a Qwen3.5 MoE decoder layer's whole token step.
+
+A decoding step of the text model is mostly small products and many small torch calls, each with a fixed cost
+(2-6 us on a 2-core Xeon, where torch's RMSNorm of one 1024-wide bf16 row took 2.5-2.7x the norm kernel's call:
+31-34 against 12 us in one window).
+- Dense products of up to GEMV_MAX_ROWS rows, those of decoding (QuantizedLinear in int8 and int4; CpuLinear and
+  FusedLinear in bf16): torch's weight-only int8 kernel took 2-2.5x the kernel's time at every size from 64 to 1024 rows
+  (1024 inputs, 2 threads, an AVX2 EPYC). bf16 is summed as torch's matrix-vector kernel does (fp32 sums of the exact
+  weights, rounded once), and the kernel only pays from about BF16_KERNEL_MIN_ROWS rows on (1024 rows: 141 against 163
+  us; 512 rows: 99 against 88 us): smaller bf16 matrices (routers, gates, small projections) keep torch's product.
+- A Gated DeltaNet layer's step from its input projections to its gated norm (the conv's step, the L2 norms, the
+  delta rule on the fp32 state, the gated RMSNorm): about 40 torch calls become one.
+- A sparse MoE block's step (router, top-k softmax, routed experts, shared expert and its sigmoid weight): about 25
+  torch calls and three kernel calls become one, with the block's intermediates rounded to bf16 where torch's bf16
+  path rounds them, so that it returns what the block computes with the separate kernels.
+- RMSNorms of a decoding step's bf16 rows (inputs [B, 1, ...]): each result rounded to bf16, as torch's (its sum
+  in another order: a result may differ by one bf16 rounding, so a prefill keeps torch's norm).
+- A Qwen3.5 MoE decoder layer's whole step (its norms, projections, DeltaNet step or attention over a bf16 KV cache,
+  MoE block and residuals) in one call of the kernels above: each call from Python costs more than small kernels'
+  work (an RMSNorm's call took 18 us, of which the kernel 4.6), and a layer made about ten of them. On the bench
+  model (2 threads, alternating, two runs), int8 experts with dense int8 decoded at 25.6-29.7 against 18.1-23.7
+  tokens/s, int4 with dense int4 at 25.1-38.3 against 21.8-30.9, bf16 at 11.9-17.2 against 12.5-15.5.
+The products and the DeltaNet step compute in fp32 (the DeltaNet step is the fp32 computation itself; torch's bf16
+path rounds its intermediates to bf16), and a row's result does not depend on the other rows of a batch. bf16 rows
+pass to and from the kernels as their bit patterns (int16), with no torch conversion. The kernels are attached only
+to models whose compute dtype is not fp32 (the norm and MoE step kernels: bf16): the fp32 mode stays the
+reference's, layer for layer. Without numba (kernel_experts.py says when) nothing is attached and torch's path runs.
+"""
+from __future__ import annotations
+
+import warnings
+from functools import cache
+from types import ModuleType, SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..formats.dense import QuantizedLinear
+from ..formats.kernel_stores import (FORMAT_CODES, KERNEL_FORMATS, LOCK, KernelExperts, compiled_kernels,
+                                     dequantized_product, kernel_arrays, kernels_enabled, plain_cpu, set_threads)
+from ..formats.kernel_stores import matrix as expert_matrix
+from ..formats.stores import CpuFloatExperts, QuantizedExperts
+from ..kernels.cpu_linear import GEMV_MAX_ROWS, CpuLinear, FusedLinear
+from ..models.kv_cache import KVCache
+
+BF16_KERNEL_MIN_ROWS = 1024
+
+
+class DenseKernel:
+    """A dense matrix's product with few rows by the numba kernel (cpu_kernels.matrix_rows), for the CpuLinear,
+    FusedLinear or QuantizedLinear that holds the matrix and calls it (not a module: the matrix stays its owner's).
+    Rows are summed in fp32 from the exact weights and rounded once to the input's dtype. A quantised matrix's
+    products of more rows take its kernel-dequantised weights and torch's product, as the routed experts' do."""
+
+    def __init__(self, fmt: str, stack: nn.Module | torch.Tensor, kernels: ModuleType):
+        self.fmt, self.code, self.kernels = fmt, FORMAT_CODES[fmt], kernels
+        self.arrays = kernel_arrays(fmt, stack)
+        self.quantised = fmt != "bf16"
+        self.shape = tuple(stack.shape[1:])  # (out, in)
+
+    def takes(self, x: torch.Tensor) -> bool:
+        """Whether the kernel computes this product: a plain CPU tensor of few rows, or of any rows when quantised."""
+        return (self.quantised or x.numel() <= GEMV_MAX_ROWS * x.shape[-1]) and plain_cpu(x)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.numel() > GEMV_MAX_ROWS * x.shape[-1]:  # quantised (takes): no bias
+            return dequantized_product(self.kernels, self.code, self.arrays, self.shape, 0, x)
+        if x.dtype == torch.bfloat16 and bias is None:  # bf16 in and out as bit patterns: no torch conversions
+            rows, out = bf16_arrays(x, self.shape[0])
+            with LOCK:
+                set_threads(self.kernels)
+                self.kernels.bf16_matrix_rows(self.code, *self.arrays, rows, out.numpy())
+            return bf16_tensor(out, (*x.shape[:-1], self.shape[0]))
+        rows = x.detach().float().reshape(-1, x.shape[-1]).contiguous().numpy()
+        out = torch.empty(*x.shape[:-1], self.shape[0])
+        with LOCK:
+            set_threads(self.kernels)
+            self.kernels.matrix_rows(self.code, *self.arrays, rows, out.view(len(rows), -1).numpy())
+        if bias is not None:
+            out += bias
+        return out.to(x.dtype)
+
+
+class DeltaNetKernel:
+    """A Gated DeltaNet layer's decoding step after its input projections (cpu_kernels.gated_delta_step), for the
+    layer that calls it; holds fp32 copies of the layer's small parameters (conv taps, decay and norm weights)."""
+
+    def __init__(self, layer: nn.Module | SimpleNamespace, kernels: ModuleType):
+        self.kernels = kernels
+        taps = layer.conv1d.weight.shape[-1]
+        self.conv_w = layer.conv1d.weight.detach().float().reshape(-1, taps).contiguous().numpy()
+        self.a_log, self.dt_bias, self.norm_w = (p.detach().float().contiguous().numpy()
+                                                 for p in (layer.A_log, layer.dt_bias, layer.norm.weight))
+        self.eps, self.key_heads = np.float32(layer.cfg.rms_norm_eps), layer.nk
+
+    def takes(self, history: torch.Tensor, state: torch.Tensor) -> bool:
+        """Whether the kernel can update this cache's tensors in place (plain, contiguous fp32 on the CPU)."""
+        return all(plain_cpu(t) and t.is_contiguous() and t.dtype == torch.float32 for t in (history, state))
+
+    def __call__(self, qkv: torch.Tensor, z: torch.Tensor, beta: torch.Tensor, a: torch.Tensor,
+                 history: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """The gated norm's output [B, 1, nv * dv] (fp32) for projections [B, 1, ...]; history and state updated."""
+        qkv, z, beta, a = (t.detach()[:, 0].float().contiguous().numpy() for t in (qkv, z, beta, a))
+        out = np.empty(z.shape, np.float32)
+        with LOCK:
+            set_threads(self.kernels)
+            self.kernels.gated_delta_step(qkv, z, beta, a, self.conv_w, history.numpy(), self.a_log, self.dt_bias,
+                                          self.norm_w, self.eps, self.key_heads, state.numpy(), out)
+        return torch.from_numpy(out)[:, None]
+
+
+class NormKernel:
+    """An RMSNorm of a decoding step's bf16 rows by the numba kernel (cpu_kernels.rms_norm_bf16), for the RMSNorm that
+    calls it (models/layers.py): torch computes a norm in about ten small calls. Holds the norm's scale (weight plus
+    offset) in fp32."""
+
+    def __init__(self, norm: nn.Module, kernels: ModuleType):
+        self.kernels = kernels
+        self.scale = (norm.weight.detach().float() + norm.offset).contiguous().numpy()
+        self.eps = np.float32(norm.eps)
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        """Whether x is a decoding step's (one token per sequence: [B, 1, ...]) plain bf16 CPU tensor."""
+        return x.dtype == torch.bfloat16 and x.dim() >= 3 and x.shape[1] == 1 and plain_cpu(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows, out = bf16_arrays(x)
+        self.kernels.rms_norm_bf16(rows, self.scale, self.eps, out.numpy())
+        return bf16_tensor(out, x.shape)
+
+
+MOE_PARTS = ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate",
+             "shared_expert.down_proj")  # a Qwen3.5 SparseMoE's matrices: router, shared expert, its mixing weight
+
+
+class MoeStepKernel:
+    """A Qwen3.5 sparse MoE block's decoding step (router, routing, routed and shared experts, their sum) in one
+    numba call (cpu_kernels.sparse_moe_step), for the block that calls it: about 25 torch calls and three kernel calls
+    become one. The router and the mixing weight are bf16; the shared expert's three matrices share one format (bf16,
+    or dense_format's int8 / int4); the matrices are read where they are held (no copies). The result is the block's
+    with the dense and routed kernels, intermediates rounded to bf16 as there."""
+
+    def __init__(self, parts: dict[str, DenseKernel], experts: KernelExperts, top_k: int, kernels: ModuleType):
+        router, gate, up, mix, down = (parts[name] for name in MOE_PARTS)
+        no_scale = router.arrays[1]
+        self.kernels = kernels
+        self.arrays = (router.arrays[0], mix.arrays[0], no_scale, gate.code, *gate.arrays, *up.arrays, *down.arrays,
+                       FORMAT_CODES[experts.fmt], experts.inter, *experts.gate_up_proj.arrays,
+                       *experts.down_proj.arrays, top_k)
+
+    @classmethod
+    def of(cls, moe: nn.Module, kernels: ModuleType) -> MoeStepKernel | None:
+        """The kernel of a SparseMoE whose matrices and experts the kernels read, or None."""
+        matrices = [*input_matrices(moe), moe.shared_expert.down_proj]
+        parts = [dense_kernel(m, kernels) for m in matrices]
+        if not isinstance(moe.experts, KernelExperts) or any(p is None for p in parts):
+            return None
+        router, gate, up, mix, down = parts
+        if router.fmt != "bf16" or mix.fmt != "bf16" or not gate.fmt == up.fmt == down.fmt:
+            return None
+        if not checked_moe_step(gate.fmt, moe.experts.fmt):
+            return None
+        return cls(dict(zip(MOE_PARTS, parts)), moe.experts, moe.cfg.num_experts_per_tok, kernels)
+
+    @staticmethod
+    def takes(x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and plain_cpu(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """The block's output for decoding rows x [N, H] (bf16)."""
+        rows, out = bf16_arrays(x)
+        with LOCK:
+            set_threads(self.kernels)
+            self.kernels.sparse_moe_step(*self.arrays, rows, out.numpy())
+        return bf16_tensor(out, x.shape)
+
+
+class LayerStepKernel:
+    """A Qwen3.5 MoE decoder layer's decoding step in one numba call, for the layer that calls it, from the arrays of
+    its parts' kernels (the matrices read where they are held): its two norms, its token mixer (DeltaNetLayerKernel,
+    AttentionLayerKernel), the MoE block and the residuals. About ten kernel calls and 20-40 torch calls become one.
+    It returns what the layer's path with the separate kernels returns, except that products torch computes there
+    (bf16 matrices below BF16_KERNEL_MIN_ROWS rows, and attention) are summed in the kernels' order: a result may
+    differ by one bf16 rounding."""
+
+    def __init__(self, layer: int, arrays: tuple, kernels: ModuleType):
+        self.layer, self.arrays, self.kernels = layer, arrays, kernels
+
+    @staticmethod
+    def shared_arrays(layer: nn.Module) -> tuple | None:
+        """The arrays every layer step reads first (the two norms' scales and eps) and last (the MoE step's), or
+        None where a part has no kernel; the mixer's norms must share the eps."""
+        norms = (layer.input_layernorm.norm_kernel, layer.post_attention_layernorm.norm_kernel)
+        moe = getattr(layer.mlp, "step_kernel", None)
+        if not (all(isinstance(n, NormKernel) for n in norms) and isinstance(moe, MoeStepKernel)
+                and norms[0].eps == norms[1].eps):
+            return None
+        return (norms[0].scale, norms[1].scale, norms[0].eps), moe.arrays
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
+        """The layer's output for decoding rows x [B, 1, H] (bf16), the cache updated."""
+        rows, out = bf16_arrays(x)
+        with LOCK:
+            set_threads(self.kernels)
+            self.run(rows, cos, sin, cache, out.numpy())
+        return bf16_tensor(out, x.shape)
+
+
+class DeltaNetLayerKernel(LayerStepKernel):
+    """A Gated DeltaNet layer's step (cpu_kernels.deltanet_layer_step); its conv history and state are updated."""
+
+    def __init__(self, layer: int, delta: DeltaNetKernel, arrays: tuple, kernels: ModuleType):
+        super().__init__(layer, arrays, kernels)
+        self.delta = delta
+
+    @classmethod
+    def of(cls, layer: nn.Module, kernels: ModuleType, verdicts: dict) -> DeltaNetLayerKernel | None:
+        """The kernel of a DeltaNet decoder layer whose norms, DeltaNet step and MoE block have their kernels and
+        whose projections the kernels read (qkv, z and the output projection in one format, b and a bf16), once it
+        passes its check (checked_layer_step, `verdicts`); else None."""
+        mixer, shared = layer.linear_attn, cls.shared_arrays(layer)
+        delta = mixer.step_kernel
+        if shared is None or not isinstance(delta, DeltaNetKernel) or delta.eps != shared[0][2]:
+            return None
+        qkv, z, b, a, out = (dense_kernel(m, kernels) for m in (*input_matrices(mixer), mixer.out_proj))
+        if any(p is None for p in (qkv, z, b, a, out)) or not qkv.fmt == z.fmt == out.fmt \
+                or not b.fmt == a.fmt == "bf16":
+            return None
+        arrays = (*shared[0], qkv.code, *qkv.arrays, *z.arrays, b.arrays[0], a.arrays[0], *out.arrays, delta.conv_w,
+                  delta.a_log, delta.dt_bias, delta.norm_w, delta.key_heads, *shared[1])
+        kernel = cls(mixer.layer, delta, arrays, kernels)
+        return kernel if checked_layer_step(kernel, layer, verdicts) else None
+
+    def takes(self, x: torch.Tensor, cache, key_mask: torch.Tensor | None) -> bool:
+        """Whether the kernel computes this step: a decoding step's (one token per sequence) plain bf16 CPU rows,
+        with a cache whose DeltaNet tensors the kernel updates in place."""
+        return x.dtype == torch.bfloat16 and x.shape[1] == 1 and plain_cpu(x) and cache is not None \
+            and self.delta.takes(cache.conv_state(self.layer), cache.recurrent_state(self.layer))
+
+    def run(self, rows: np.ndarray, cos: torch.Tensor, sin: torch.Tensor, cache, out: np.ndarray) -> None:
+        history, state = cache.conv_state(self.layer).numpy(), cache.recurrent_state(self.layer).numpy()
+        self.kernels.deltanet_layer_step(*self.arrays, history, state, rows, out)
+
+
+# attention products (cached tokens x query heads x head_dim) up to which a layer step computes attention itself:
+# its attention took 2-4x torch's bf16 attention's time (16 query heads of 256 channels, 2 threads: 0.37 against
+# 0.09 ms over 512 tokens, 1.1 against 0.39 over 2048, 15 against 8-10 over 16384), while the layer step saved about
+# 1 ms of calls per attention layer. Beyond it (2048 tokens on Qwen3.5-35B-A3B), the layer's path with the separate
+# kernels and torch's attention.
+LAYER_ATTENTION_MAX = 2 ** 23
+
+
+class AttentionLayerKernel(LayerStepKernel):
+    """A gated full-attention layer's step (cpu_kernels.attention_layer_step) with a cache that stores its keys and
+    values in bf16 and has no padding, up to LAYER_ATTENTION_MAX; the new key and value are stored in the cache."""
+
+    def __init__(self, layer: int, arrays: tuple, kernels: ModuleType, token_work: int):
+        super().__init__(layer, arrays, kernels)
+        self.token_work = token_work  # the attention products of one cached token: query heads x head_dim
+
+    @classmethod
+    def of(cls, layer: nn.Module, kernels: ModuleType, verdicts: dict) -> AttentionLayerKernel | None:
+        """The kernel of a full-attention decoder layer with the output gate whose norms and MoE block have their
+        kernels and whose projections the kernels read (q, k, v and o in one format), once it passes its check
+        (checked_layer_step, `verdicts`); else None."""
+        attn, shared = layer.self_attn, cls.shared_arrays(layer)
+        head_norms = (attn.q_norm.norm_kernel, attn.k_norm.norm_kernel)
+        if shared is None or not attn.output_gate or not all(
+                isinstance(n, NormKernel) and n.eps == shared[0][2] for n in head_norms):
+            return None
+        q, k, v, o = (dense_kernel(m, kernels) for m in (*input_matrices(attn), attn.o_proj))
+        if any(p is None for p in (q, k, v, o)) or not q.fmt == k.fmt == v.fmt == o.fmt:
+            return None
+        arrays = (*shared[0], q.code, *q.arrays, *k.arrays, *v.arrays, *o.arrays, head_norms[0].scale,
+                  head_norms[1].scale, attn.cfg.num_heads, *shared[1])
+        kernel = cls(attn.layer, arrays, kernels, attn.cfg.num_heads * attn.cfg.head_dim)
+        return kernel if checked_layer_step(kernel, layer, verdicts) else None
+
+    def takes(self, x: torch.Tensor, cache, key_mask: torch.Tensor | None) -> bool:
+        """Whether the kernel computes this step: a decoding step's plain bf16 CPU rows, with no padding, and a cache
+        holding this layer's keys and values as plain contiguous bf16 tensors, one row per input row, within
+        LAYER_ATTENTION_MAX."""
+        if not (x.dtype == torch.bfloat16 and x.shape[1] == 1 and plain_cpu(x) and cache is not None
+                and key_mask is None and not cache.scratch
+                and (cache.length + 1) * self.token_work <= LAYER_ATTENTION_MAX):
+            return False
+        keys, values = cache.keys[self.layer], cache.values[self.layer]
+        return all(plain_cpu(t) and t.is_contiguous() and t.dtype == torch.bfloat16 and t.shape[0] == x.shape[0]
+                   for t in (keys, values))
+
+    def run(self, rows: np.ndarray, cos: torch.Tensor, sin: torch.Tensor, cache, out: np.ndarray) -> None:
+        cos, sin = (t[:, 0].float().contiguous().numpy() for t in (cos, sin))
+        keys, values = (t[self.layer].view(torch.int16).numpy() for t in (cache.keys, cache.values))
+        self.kernels.attention_layer_step(*self.arrays, cos, sin, keys, values, cache.length, rows, out)
+
+
+CHECK_CACHED = 5  # tokens in the cache a layer step is checked with
+
+
+def checked_layer_step(kernel: LayerStepKernel, layer: nn.Module, verdicts: dict) -> bool:
+    """Whether the layer kernel compiles and reproduces two decoding rows of its layer's own path from the same
+    random cache (a DeltaNet layer's conv history and state; an attention layer's CHECK_CACHED keys and values), and
+    leaves the same cache, within bf16's roundings: the compile happens at load, not in the middle of a generation.
+    False with a warning if not. One layer is checked per kind and compiled signature (the arrays' dtypes and
+    dimensions), its verdict kept in `verdicts` for the model's other layers: the check reads up to 16 experts' weights
+    of its layer, which on a large model may still be on disk."""
+    signature = (type(kernel), *((a.dtype, a.ndim) if isinstance(a, np.ndarray) else type(a) for a in kernel.arrays))
+    if signature not in verdicts:
+        verdicts[signature] = layer_step_reproduces(kernel, layer)
+    return verdicts[signature]
+
+
+def layer_step_reproduces(kernel: LayerStepKernel, layer: nn.Module) -> bool:
+    """checked_layer_step's check of one layer."""
+    x = torch.randn(2, 1, layer.input_layernorm.weight.shape[0], generator=torch.Generator().manual_seed(0))
+    x = x.bfloat16()
+    rotary = layer.self_attn.cfg.rotary_dim if hasattr(layer, "self_attn") else 2
+    angles = torch.rand(2, 1, rotary, generator=torch.Generator().manual_seed(1)) * 6.3
+    try:
+        (got_state, got_cache), (want_state, want_cache) = (check_cache(layer, 2) for _ in range(2))
+        got = kernel(x, angles.cos(), angles.sin(), got_cache)
+        with torch.no_grad():
+            want = layer(x, angles.cos(), angles.sin(), want_cache, None, None)
+        pairs = [(got, want), *zip(got_state, want_state)]
+        if not all(torch.allclose(a.float(), b.float(), rtol=0.03, atol=0.03 * b.float().abs().max().item())
+                   for a, b in pairs):
+            raise ValueError("the layer step differs from the layer's")
+    except Exception as exc:  # numba's compile errors have many types; any failure means the separate kernels
+        warnings.warn(f"a3b_core: numba could not compile the CPU decoder layer step ({exc}); using separate kernel "
+                      "calls.", stacklevel=2)
+        return False
+    return True
+
+
+def check_cache(layer: nn.Module, rows: int) -> tuple[list[torch.Tensor], KVCache | SimpleNamespace]:
+    """A cache for checking a decoder layer's step, the same at each call, and the tensors the step changes in it:
+    a DeltaNet layer's random conv history and state (as Qwen3.5's cache holds them), or a KV cache of the attention
+    layer with CHECK_CACHED random bf16 tokens before the step's."""
+    g = torch.Generator().manual_seed(2)
+    if hasattr(layer, "linear_attn"):
+        mixer = layer.linear_attn
+        history = torch.randn(rows, mixer.conv1d.weight.shape[-1] - 1, mixer.conv_dim, generator=g)
+        state = torch.randn(rows, mixer.nv, mixer.dk, mixer.dv, generator=g) * 0.1
+        return [history, state], SimpleNamespace(conv_state=lambda _: history, recurrent_state=lambda _: state)
+    cfg, index = layer.self_attn.cfg, layer.self_attn.layer
+    cache = KVCache([index], cfg.num_kv_heads, cfg.head_dim, rows, CHECK_CACHED + 1, torch.bfloat16)
+    for buffers in (cache.keys, cache.values):
+        buffers[index][:, :, :CHECK_CACHED] = torch.randn(buffers[index][:, :, :CHECK_CACHED].shape, generator=g)
+    cache.extend_mask(None, CHECK_CACHED)
+    cache.advance(CHECK_CACHED)
+    cache.extend_mask(None, 1)  # the step's token, as the model records it before its layers
+    return [cache.keys[index], cache.values[index]], cache
+
+
+def input_matrices(module: nn.Module) -> list[nn.Module | torch.Tensor]:
+    """The matrices of the Linears named in `module.input_projections`, in order: each Linear, or its rows of the
+    fused projection's bf16 weight that took their place (backends/products.py)."""
+    fused = module.fused_projection
+    if isinstance(fused, FusedLinear):
+        return list(fused.weight.split(fused.sizes))
+    return [module.get_submodule(name) for name in module.input_projections]
+
+
+def bf16_arrays(x: torch.Tensor, out_width: int | None = None) -> tuple[np.ndarray, torch.Tensor]:
+    """The bit patterns of x's bf16 rows (int16 [N, D], a numpy view) and an empty int16 tensor [N, out_width]
+    (default D) for a kernel's output. The output is torch's own allocation, not numpy's: torch's kernels may assume
+    its 64-byte alignment (its int8 weight-only product crashes on a row numpy allocated)."""
+    rows = x.detach().contiguous().view(torch.int16).numpy()
+    rows = rows.reshape(-1, rows.shape[-1])
+    return rows, torch.empty((len(rows), out_width or rows.shape[1]), dtype=torch.int16)
+
+
+def bf16_tensor(bits: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """A kernel's output bit patterns (int16) as the bf16 tensor of `shape` they are."""
+    return bits.view(torch.bfloat16).view(shape)
+
+
+def dense_kernel(matrix: nn.Module | torch.Tensor, kernels: ModuleType) -> DenseKernel | None:
+    """A DenseKernel of a bf16 weight or bias-free CpuLinear, or of a QuantizedLinear in a kernel format; None
+    where the kernels cannot read it."""
+    if isinstance(matrix, QuantizedLinear):
+        ok = matrix.fmt in KERNEL_FORMATS and plain_cpu(*matrix.buffers())
+        return DenseKernel(matrix.fmt, matrix.matrix, kernels) if ok else None
+    if isinstance(matrix, CpuLinear) and matrix.bias is None:
+        matrix = matrix.weight.data
+    ok = isinstance(matrix, torch.Tensor) and matrix.dtype == torch.bfloat16 and plain_cpu(matrix) \
+        and matrix.is_contiguous()
+    return DenseKernel("bf16", matrix[None], kernels) if ok else None
+
+
+@cache
+def checked_moe_step(shared: str, routed: str) -> bool:
+    """Whether the MoE step compiles for shared-expert matrices in format `shared` and routed experts in `routed`, and
+    reproduces a small block's step (two rows, four experts, top 2, routing margins far above bf16's rounding): the
+    compile happens at load, not in the middle of a generation. False with a warning if not."""
+    kernels = compiled_kernels()
+    try:
+        check_moe_step(kernels, shared, routed)
+    except Exception as exc:  # numba's compile errors have many types; any failure means torch's path
+        warnings.warn(f"a3b_core: numba could not compile the CPU MoE step ({exc}); using separate kernel calls.",
+                      stacklevel=2)
+        return False
+    return True
+
+
+def check_moe_step(kernels: ModuleType, shared: str, routed: str) -> None:
+    """The MoE step of two rows against the same block in fp64 (from the formats' own weights), within bf16's
+    roundings of the step's intermediates."""
+    g = torch.Generator().manual_seed(0)
+    hidden, inter, experts = 64, 32, 4
+    x = torch.randn(2, hidden, generator=g).bfloat16()
+    router = (torch.randn(experts, hidden, generator=g)).bfloat16()  # logits ~8 apart: no bf16 rounding flips a choice
+    mix = (torch.randn(1, hidden, generator=g) * 0.1).bfloat16()
+    matrices = {}
+    for name, shape in (("shared_expert.gate_proj", (inter, hidden)), ("shared_expert.up_proj", (inter, hidden)),
+                        ("shared_expert.down_proj", (hidden, inter))):
+        w = torch.randn(*shape, generator=g) * shape[1] ** -0.5
+        matrices[name] = w.bfloat16() if shared == "bf16" else QuantizedLinear(shared, w)
+    parts = {name: dense_kernel(m, kernels) for name, m in {"gate": router, "shared_expert_gate": mix,
+                                                          **matrices}.items()}
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5
+    down = torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5
+    if routed == "bf16":
+        store = CpuFloatExperts(nn.Parameter(gate_up.bfloat16()), nn.Parameter(down.bfloat16()))
+    else:
+        store = QuantizedExperts(routed, experts, hidden, inter)
+        for e in range(experts):
+            store.gate_up_proj.set(e, gate_up[e])
+            store.down_proj.set(e, down[e])
+    got = MoeStepKernel(parts, KernelExperts(store, kernels), 2, kernels)(x).double()
+
+    def exact(m: nn.Module | torch.Tensor) -> torch.Tensor:
+        return (m.matrix.dequantize(0) if isinstance(m, QuantizedLinear) else m).double()
+
+    xd = x.double()
+    logits, top_i = (xd @ exact(router).t()).topk(2)
+    top_p = torch.softmax(logits, -1)
+    shared_gate, shared_up = (xd @ exact(matrices[name]).t() for name in MOE_PARTS[1:3])
+    want = torch.sigmoid(xd @ exact(mix).t()) * (F.silu(shared_gate) * shared_up @ exact(matrices[MOE_PARTS[4]]).t())
+    for t in range(2):
+        for p, e in zip(top_p[t].tolist(), top_i[t].tolist()):
+            gate, up = (expert_matrix(store.gate_up_proj, e).double() @ xd[t]).chunk(2)
+            want[t] += p * expert_matrix(store.down_proj, e).double() @ (F.silu(gate) * up)
+    if not torch.allclose(got, want, rtol=0.03, atol=0.03 * want.abs().max().item()):
+        raise ValueError("the MoE step differs from the block's")
+
+
+@cache
+def checked_step_kernels() -> ModuleType | None:
+    """The kernels once this module's two have compiled (every signature it calls) and reproduced small cases, or
+    None with a warning: a kernel that cannot compile fails at load, not in the middle of a generation."""
+    kernels = compiled_kernels()
+    try:
+        check_step_kernels(kernels)
+    except Exception as exc:  # numba's compile errors have many types; any failure means torch's path
+        warnings.warn(f"a3b_core: numba could not compile the CPU decoding kernels ({exc}); using torch's products "
+                      "for dense matrices and the DeltaNet step.", stacklevel=2)
+        return None
+    return kernels
+
+
+def check_step_kernels(kernels: ModuleType) -> None:
+    """A product of two fp32 rows and of two bf16 rows with a bf16, an int8 and an int4 matrix (of 128 inputs: int8's
+    and int4's rows multiply codes of the activations, in vector code where the CPU has it); a DeltaNet step
+    from an empty state and history, where the delta rule reduces to o = (q . k) * beta * v; an RMSNorm of three bf16
+    rows."""
+    g = torch.Generator().manual_seed(0)
+    weight, x = torch.randn(64, 128, generator=g).bfloat16(), torch.randn(2, 128, generator=g)
+    matrices = {"bf16": weight[None], **{fmt: QuantizedLinear(fmt, weight.float()).matrix for fmt in ("int8", "int4")}}
+    for fmt, matrix in matrices.items():
+        kernel, exact = DenseKernel(fmt, matrix, kernels), (matrix[0] if fmt == "bf16" else matrix.dequantize(0)).float()
+        for rows, bound in ((x, 1e-4), (x.bfloat16(), 1e-2)):  # bf16: the result rounded to bf16
+            want = rows.float() @ exact.t()
+            # bounds as a fraction of the largest |result|: int4 and int8 rows multiply int16 codes of activations
+            if not torch.allclose(kernel(rows).float(), want, rtol=bound, atol=bound * want.abs().max().item()):
+                raise ValueError("the dense kernel's product differs from torch's")
+    heads, dim, taps = 2, 16, 4
+    qkv, z = torch.randn(1, 1, 3 * heads * dim, generator=g), torch.randn(1, 1, heads * dim, generator=g)
+    beta, a = torch.randn(1, 1, heads, generator=g), torch.randn(1, 1, heads, generator=g)
+    conv_w = torch.randn(3 * heads * dim, 1, taps, generator=g)
+    history, state = torch.zeros(1, taps - 1, 3 * heads * dim), torch.zeros(1, heads, dim, dim)
+    layer = SimpleNamespace(conv1d=SimpleNamespace(weight=conv_w), A_log=torch.zeros(heads),
+                            dt_bias=torch.zeros(heads), norm=SimpleNamespace(weight=torch.ones(dim)),
+                            cfg=SimpleNamespace(rms_norm_eps=1e-6), nk=heads)  # a GatedDeltaNet's parameters
+    got = DeltaNetKernel(layer, kernels)(qkv, z, beta, a, history, state)[0, 0].view(heads, dim)
+    q, k, v = F.silu(qkv[0, 0] * conv_w[:, 0, -1]).view(3, heads, dim)
+    o = (F.normalize(q, dim=-1) * F.normalize(k, dim=-1)).sum(-1, keepdim=True) * dim ** -0.5 \
+        * torch.sigmoid(beta[0, 0])[:, None] * v
+    want = F.rms_norm(o, (dim,), eps=1e-6) * F.silu(z[0, 0]).view(heads, dim)
+    if not (torch.allclose(got, want, rtol=1e-4, atol=1e-4) and torch.equal(history[0, -1], qkv[0, 0])):
+        raise ValueError("the DeltaNet kernel's step differs from the delta rule's")
+    norm = SimpleNamespace(weight=torch.randn(dim, generator=g), offset=1.0, eps=1e-6)  # an RMSNorm's parameters
+    rows = torch.randn(3, dim, generator=g).bfloat16()
+    want = F.rms_norm(rows.float(), (dim,), norm.weight + 1, 1e-6).bfloat16().float()
+    if not torch.allclose(NormKernel(norm, kernels)(rows).float(), want, rtol=0.01, atol=0.01):
+        raise ValueError("the norm kernel's rows differ from torch's")
+
+
+def attach_step_kernels(text: nn.Module) -> None:
+    """Gives the CPU modules of `text` their kernels (`rows_kernel`, `step_kernel`, `norm_kernel`), when kernels are
+    enabled, compile and check, and the compute dtype is not fp32; the norm and MoE step kernels need bf16."""
+    if not kernels_enabled() or text.embed_tokens.weight.dtype == torch.float32:
+        return
+    kernels = checked_step_kernels()
+    if kernels is None:
+        return
+    bf16 = text.embed_tokens.weight.dtype == torch.bfloat16  # the norm and MoE kernels read bf16 rows
+    for module in text.modules():
+        if isinstance(module, (CpuLinear, FusedLinear)):
+            weight = module.weight.data
+            if weight.dtype == torch.bfloat16 and plain_cpu(weight) and weight.is_contiguous() \
+                    and weight.shape[0] >= BF16_KERNEL_MIN_ROWS:
+                module.rows_kernel = DenseKernel("bf16", weight[None], kernels)
+        elif isinstance(module, QuantizedLinear):
+            if module.fmt in KERNEL_FORMATS and plain_cpu(*module.buffers()):
+                module.rows_kernel = DenseKernel(module.fmt, module.matrix, kernels)
+        elif hasattr(module, "norm_kernel") and bf16 and plain_cpu(module.weight.data):
+            module.norm_kernel = NormKernel(module, kernels)
+        elif hasattr(module, "step_kernel") and hasattr(module, "experts"):  # a MoE block
+            module.step_kernel = MoeStepKernel.of(module, kernels) if bf16 else None
+        elif hasattr(module, "step_kernel") and hasattr(module, "conv1d") \
+                and plain_cpu(*(p.data for p in module.parameters())):  # a Gated DeltaNet
+            module.step_kernel = DeltaNetKernel(module, kernels)
+    verdicts: dict = {}
+    for module in text.modules():  # a Qwen3.5 decoder layer, once its parts have their kernels
+        if hasattr(module, "step_kernel") and hasattr(module, "mlp") and bf16:
+            kind = DeltaNetLayerKernel if hasattr(module, "linear_attn") else AttentionLayerKernel
+            module.step_kernel = kind.of(module, kernels, verdicts)
