@@ -241,7 +241,7 @@ def write_fp8_checkpoint(source: Path, folder: Path) -> None:
     from safetensors.torch import save_file
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from a3b_core.formats.stores import quantize_fp8
+    from a3b_core.formats.fp8 import quantize_fp8
 
     print(f"[bench] writing the FP8 benchmark checkpoint to {folder}", flush=True)
     tensors: dict[str, torch.Tensor] = {}

@@ -10,7 +10,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from a3b_core import load_model
 from a3b_core.formats.kernel_stores import (FORMAT_CODES, KernelExperts, compiled_kernels, dequantized, kernel_arrays,
                                             kernels_enabled, matrix, swap_in_kernels)
-from a3b_core.formats.stores import CpuFloatExperts, QuantizedExperts, dequantize_int4, int4_group_size, quantize_int4
+from a3b_core.formats.int4 import dequantize_int4, int4_group_size, quantize_int4
+from a3b_core.formats.stores import CpuFloatExperts, QuantizedExperts
 from a3b_core.models.layers import RoutedExperts
 from tests.fake_cuda import FakeCuda
 
@@ -334,7 +335,7 @@ def test_int8_rows_at_each_vector_width(inputs, lanes, monkeypatch):
     weights[-2], weights[-1] = 1.0, -1.0  # quantised to rows of 127 and of -127
     stack = QuantizedExperts("int8", 1, inputs, 12).gate_up_proj
     stack.set(0, weights)
-    q, scale = kernel_arrays("int8", stack)
+    q, scale = kernel_arrays(stack)
     assert q[0, :, -1].min() == -127 and (q.shape[1] == 2) == (inputs == 1024)
     for activations in (torch.randn(1, inputs, generator=g), torch.ones(1, inputs)):
         out = torch.empty(24)

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file
 
 from a3b_core import load_model
-from a3b_core.formats.stores import QuantizedStack, TorchInt4Stack
+from a3b_core.formats.int4 import TorchInt4Stack
+from a3b_core.formats.stores import QuantizedStack
 
 FORMAT_BYTES_VS_BF16 = {"int8": (0.49, 0.52), "int4": (0.26, 0.29), "fp8": (0.49, 0.52)}
 

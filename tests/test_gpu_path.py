@@ -19,9 +19,10 @@ from safetensors.torch import load_file, save_file
 
 from a3b_core import load_model
 from a3b_core.formats.kernel_stores import KERNEL_FORMATS, KernelExperts, kernels_enabled
-from a3b_core.formats.stores import Fp8Linear, QuantizedExperts, quantize_fp8
+from a3b_core.formats.fp8 import Fp8Linear, quantize_fp8
+from a3b_core.formats.stores import QuantizedExperts
 from a3b_core.runtime.loader import DEMO_MODELS
-from a3b_core.runtime.options import FLOAT_FORMATS
+from a3b_core.formats.table import FLOAT_FORMATS
 from a3b_core.runtime.placement import CUDA_CONTEXT_BYTES, plan_for_folder
 from tests.fake_cuda import FakeCuda
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures

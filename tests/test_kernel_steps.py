@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from a3b_core import load_model
 from a3b_core.formats.dense import QuantizedLinear
 from a3b_core.formats.kernel_stores import compiled_kernels, kernels_enabled
-from a3b_core.formats.stores import TorchInt4Stack
+from a3b_core.formats.int4 import TorchInt4Stack
 from a3b_core.kernels.cpu_linear import CpuLinear, FusedLinear, linear
 from a3b_core.models.layers import RMSNorm, rotary_cos_sin
 from a3b_core.models.qwen3_5.cache import Cache

@@ -40,8 +40,8 @@ class QuantizedLinear(nn.Module):
 
     def __init__(self, fmt: str, weight: torch.Tensor):
         super().__init__()
-        self.fmt = fmt
         self.matrix = QuantizedStack(fmt, (1, *weight.shape))
+        self.fmt = self.matrix.fmt
         for first in range(0, weight.shape[0], QUANTISE_ROWS):
             self.matrix.set(0, weight[first:first + QUANTISE_ROWS].float(), first)
         self.rows_kernel = None  # kernel_steps.DenseKernel: products of few rows, when the numba kernels load
@@ -55,7 +55,7 @@ class QuantizedLinear(nn.Module):
 
 def quantize_dense(text: nn.Module, fmt: str, release: Callable[[str], None]) -> None:
     """Swaps every dense Linear of `text` on the CPU that is_quantised_dense names for a QuantizedLinear in `fmt`
-    ("int8" or "int4"); `release(name)` is told each, whose checkpoint pages can then be dropped. A tied lm_head is
+    (int8 or int4); `release(name)` is told each, whose checkpoint pages can then be dropped. A tied lm_head is
     the embedding table itself and stays as it is."""
     embedding = text.embed_tokens.weight
     for name, module in list(text.named_modules()):

@@ -41,9 +41,11 @@ from torch import nn
 
 from ..kernels.cpu_linear import many_rows_product, many_rows_weight_dtype
 from .stores import CpuFloatExperts, QuantizedExperts
+from .table import BF16, FORMATS, INT4, INT8
 
-KERNEL_FORMATS = ("int8", "int4", "fp8")  # the quantised stores swapped; bf16 CpuFloatExperts are swapped too
-FORMAT_CODES = {"int8": 0, "fp8": 1, "bf16": 2, "int4": 3}  # cpu_kernels.INT8, FP8, BF16, INT4
+# the formats the kernels read, by their code; quantised stores in these are swapped, and bf16 CpuFloatExperts
+FORMAT_CODES = {fmt: fmt.kernel_code for fmt in FORMATS.values() if fmt.kernel_code is not None}
+KERNEL_FORMATS = tuple(fmt for fmt in FORMAT_CODES if fmt.quantized)
 LOCK = threading.Lock()  # numba's thread pools do not all accept calls from two threads at once
 # the kernels' thread count as last set on this thread (numba's setting is per thread; setting it costs ~17 us)
 _threads = threading.local()
@@ -90,7 +92,7 @@ def check_kernels(kernels: ModuleType) -> None:
     bf16."""
     g = torch.Generator().manual_seed(0)
     matrices = [(torch.randn(64, 128, generator=g), torch.randn(128, 32, generator=g)) for _ in range(4)]
-    stores = [QuantizedExperts(fmt, 4, 128, 32) for fmt in ("int8", "int4")]
+    stores = [QuantizedExperts(fmt, 4, 128, 32) for fmt in (INT8, INT4)]
     for store in stores:
         for e, (gate_up, down) in enumerate(matrices):
             store.gate_up_proj.set(e, gate_up)
@@ -112,7 +114,7 @@ def check_kernels(kernels: ModuleType) -> None:
     for store in stores[:2]:
         stack = store.gate_up_proj
         for dtype in (torch.float32, torch.bfloat16):
-            weight = dequantized(kernels, FORMAT_CODES[store.fmt], kernel_arrays(store.fmt, stack), stack.shape[1:],
+            weight = dequantized(kernels, store.fmt.kernel_code, kernel_arrays(stack), stack.shape[1:],
                                  1, dtype)
             if not torch.equal(weight, stack.dequantize(1).to(dtype)):
                 raise ValueError("the dequantising kernel's matrix differs from the store's")
@@ -123,35 +125,28 @@ def matrix(stack: nn.Module | torch.Tensor, e: int) -> torch.Tensor:
     return stack[e].float() if isinstance(stack, torch.Tensor) else stack.dequantize(e)
 
 
-def kernel_arrays(fmt: str, stack: nn.Module | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """The kernels' numpy views of a quantised stack or a bf16 tensor [E, out, in]: (q, scale) as cpu_kernels.py
-    reads them (int8 [E, chunks, out, chunk] with scales [E, out, 1]; FP8 [E, 1, out, in] with its block scales;
-    int4 uint8 [E, 1, out, in / 2] with each group's scale and minimum side by side [E, out, 2 * groups]; bf16 as
-    int16 [E, 1, out, in] and an empty scale)."""
-    if fmt == "bf16":
+def kernel_arrays(stack: nn.Module | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    """The kernels' numpy views of a quantised stack (its layout's kernel_arrays) or of a bf16 tensor [E, out, in]
+    (as int16 [E, 1, out, in] and an empty scale), as cpu_numba.py reads them."""
+    if isinstance(stack, torch.Tensor):
         return stack.view(torch.int16).numpy()[:, None], np.empty((0, 0, 0), np.float32)
-    if fmt == "int4":
-        return stack.q.numpy()[:, None], stack.scale.flatten(2).numpy()
-    q = stack.q.view(torch.int8).numpy()
-    if fmt == "int8":
-        return q, stack.scale.float().numpy()[:, :, None].copy()
-    return q[:, None], stack.scale.numpy()
+    return stack.layout.kernel_arrays(stack.q, stack.scale)
 
 
 class KernelMatrices(nn.Module):
     """One fused matrix stack of a layer's experts as the kernel reads it: the store's tensors under the names `q`
     and `scale` (None for bf16), their numpy views `arrays` (kernel_arrays), and `shape` (E, out, in)."""
 
-    def __init__(self, fmt: str, stack: nn.Module | torch.Tensor):
+    def __init__(self, stack: nn.Module | torch.Tensor):
         super().__init__()
         self.shape = tuple(stack.shape)
-        if fmt == "bf16":  # the float experts' tensor, registered as a buffer as the quantised stores' are
+        if isinstance(stack, torch.Tensor):  # bf16 experts' tensor, registered as a buffer as a quantised stack's are
             self.register_buffer("q", stack.data, persistent=False)
             self.scale = None
-            self.arrays = kernel_arrays(fmt, self.q)
+            self.arrays = kernel_arrays(self.q)
         else:
             self.q, self.scale = stack.q, stack.scale
-            self.arrays = kernel_arrays(fmt, stack)
+            self.arrays = kernel_arrays(stack)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -166,9 +161,9 @@ class KernelExperts(nn.Module):
 
     def __init__(self, store: QuantizedExperts | CpuFloatExperts, kernels: ModuleType):
         super().__init__()
-        self.fmt, self.kernels = getattr(store, "fmt", "bf16"), kernels
-        self.gate_up_proj = KernelMatrices(self.fmt, store.gate_up_proj)
-        self.down_proj = KernelMatrices(self.fmt, store.down_proj)
+        self.fmt, self.kernels = getattr(store, "fmt", BF16), kernels
+        self.gate_up_proj = KernelMatrices(store.gate_up_proj)
+        self.down_proj = KernelMatrices(store.down_proj)
         self.inter = store.down_proj.shape[2]
         self.store_products = {"gate_up": store.gate_up, "down": store.down}
 
@@ -179,9 +174,9 @@ class KernelExperts(nn.Module):
         return self.product("down", self.down_proj, e, x)
 
     def product(self, which: str, matrices: KernelMatrices, e: int, x: torch.Tensor) -> torch.Tensor:
-        if self.fmt == "bf16" or not plain_cpu(x):
+        if not self.fmt.quantized or not plain_cpu(x):
             return self.store_products[which](e, x)
-        return dequantized_product(self.kernels, FORMAT_CODES[self.fmt], matrices.arrays, matrices.shape[1:], e, x)
+        return dequantized_product(self.kernels, self.fmt.kernel_code, matrices.arrays, matrices.shape[1:], e, x)
 
     @property
     def device(self) -> torch.device:
@@ -196,7 +191,7 @@ class KernelExperts(nn.Module):
         out = np.zeros(tuple(x.shape), np.float32)
         with LOCK:
             set_threads(self.kernels)
-            self.kernels.routed_step(FORMAT_CODES[self.fmt], self.inter, *self.gate_up_proj.arrays,
+            self.kernels.routed_step(self.fmt.kernel_code, self.inter, *self.gate_up_proj.arrays,
                                      *self.down_proj.arrays, x.detach().float().contiguous().numpy(),
                                      top_i.contiguous().numpy(), top_p.detach().float().contiguous().numpy(), out)
         return torch.from_numpy(out).to(x.dtype)

@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from ..errors import CheckpointError
-from ..formats.stores import FP8_BLOCK, Fp8Linear, QuantizedExperts, convert_experts
+from ..formats.fp8 import FP8_BLOCK, Fp8Linear
+from ..formats.stores import QuantizedExperts, convert_experts
+from ..formats.table import FLOAT_FORMATS, FORMAT_OF_DTYPE
 from ..release.config import ModelConfig, StoredLayers
 from ..release.safetensors import FP8_DTYPES, Checkpoint
-from ..release.weights import Progress, check_shape, checked, find_prefix, load_module, prefix_of
-from ..runtime import devices
-from ..runtime.options import FLOAT_FORMATS, FORMAT_OF_DTYPE
+from ..release.weights import Progress, check_shape, checked, find_prefix, load_module, move, prefix_of
 from .layers import RoutedExperts
 
 TEXT_PREFIXES = ("model.language_model.", "model.", "language_model.model.", "language_model.", "")
@@ -150,7 +150,7 @@ def expert_matrix(ckpt: Checkpoint, base: str, cfg: Any, which: str, j: int) -> 
 
 def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: Any, fmt: str, device: torch.device,
                            cache_file: Path | None) -> QuantizedExperts:
-    """One layer's routed experts (checkpoint names under `base`) in a quantised format, as backends.experts makes
+    """One layer's routed experts (checkpoint names under `base`) in a quantised format, as formats/stores.py makes
     them: the released FP8 matrices where the format is fp8 and the blocks line up, else each expert's matrix."""
 
     def released_fp8(which: str, e: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -167,9 +167,10 @@ def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: Any, fmt: str, devi
         # gate and up stacked: their scale blocks line up, the intermediate size being a multiple of the block
         return torch.cat([ckpt.raw(n) for n in names]), torch.cat([ckpt.raw(n + "_scale_inv").float() for n in names])
 
-    return convert_experts(fmt, (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size),
-                           lambda which, e: expert_matrix(ckpt, base, cfg, which, e), released_fp8, device,
-                           cache_file, lambda: ckpt.release_under(base))
+    experts = convert_experts(fmt, (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size),
+                              lambda which, e: expert_matrix(ckpt, base, cfg, which, e), released_fp8, device,
+                              cache_file, lambda: ckpt.release_under(base))
+    return move(experts, device)
 
 
 def place_text_model(text: nn.Module, dense: torch.device, embed: torch.device,
@@ -178,14 +179,14 @@ def place_text_model(text: nn.Module, dense: torch.device, embed: torch.device,
     `expert_devices` to theirs (other layers' experts stay where loading put them). A tied lm_head stays the
     embedding table itself, so it is never held twice."""
     moved: dict[int, torch.Tensor] = {}
-    devices.move(text.embed_tokens, embed, moved)
+    move(text.embed_tokens, embed, moved)
     for index, layer in enumerate(text.layers):
         experts = layer.mlp._modules.pop("experts", None)
-        devices.move(layer, dense, moved)
+        move(layer, dense, moved)
         if experts is not None:
-            layer.mlp.experts = devices.move(experts, expert_devices[index]) if index in expert_devices else experts
-    devices.move(text.norm, dense, moved)
-    devices.move(text.lm_head, dense, moved)
+            layer.mlp.experts = move(experts, expert_devices[index]) if index in expert_devices else experts
+    move(text.norm, dense, moved)
+    move(text.lm_head, dense, moved)
 
 
 # --------------------------------------------------------------------------------------- parts, for the planner

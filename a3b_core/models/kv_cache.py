@@ -2,8 +2,8 @@
 
 Buffers are preallocated for the whole context, so decoding never allocates.
 
-Keys and values are stored in the compute dtype ("auto"), in another float format ("bf16", "fp16", "fp32"), or as
-"int8" with one fp32 scale per (row, token, KV head): scale = absmax / 127 over the head's channels, so every stored
+Keys and values are stored in the compute dtype ("auto"), in another float format (bf16, fp16, fp32), or as
+int8 with one fp32 scale per (row, token, KV head): scale = absmax / 127 over the head's channels, so every stored
 element is within scale / 2 = absmax / 254 of its exact value (round to nearest). When the stored format is not the
 compute dtype, each layer's cached prefix is converted into one shared scratch pair in the compute dtype just before
 its attention, so the int8 cache costs (head_dim + 4) / (head_dim * compute bytes) of the float cache, plus one
@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from ..errors import PromptError
-from ..runtime.options import FLOAT_FORMATS, checked_kv_format
+from ..formats.table import FLOAT_FORMATS, INT8, checked_kv_format
 
 INT8_MAX = 127
 
@@ -33,7 +33,7 @@ class KVCache:
     def __init__(self, layers: Iterable[int], num_kv_heads: int, head_dim: int, batch: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", kv_dtype: str | None = None):
         kv_format = checked_kv_format(kv_dtype)
-        self.quantised = kv_format == "int8"
+        self.quantised = kv_format == INT8
         store = torch.int8 if self.quantised else FLOAT_FORMATS.get(kv_format, dtype)
         self.max_len = max_len
         self.length = 0
@@ -96,7 +96,7 @@ class KVCache:
         for new, store, scales, scratch in ((k, self.keys, self.key_scales, self.scratch[0]),
                                             (v, self.values, self.value_scales, self.scratch[1])):
             if self.quantised:
-                quantise_int8(new, store[layer][:, :, start:end], scales[layer][:, :, start:end])
+                quantize_kv_int8(new, store[layer][:, :, start:end], scales[layer][:, :, start:end])
                 out.append(torch.mul(store[layer][:, :, :end], scales[layer][:, :, :end], out=scratch[:, :, :end]))
             else:
                 store[layer][:, :, start:end] = new
@@ -168,7 +168,7 @@ def keep_front(buffer: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return kept
 
 
-def quantise_int8(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
+def quantize_kv_int8(x: torch.Tensor, out: torch.Tensor, scale_out: torch.Tensor) -> None:
     """Symmetric int8 with one scale per vector of the last dimension, written into `out` and `scale_out`."""
     xf = x.float()
     scale = xf.abs().amax(dim=-1, keepdim=True) / INT8_MAX
@@ -183,5 +183,5 @@ def kv_bytes(layers: int, num_kv_heads: int, head_dim: int, tokens: int, kv_dtyp
     vectors = tokens * layers * 2 * num_kv_heads
     scratch = 2 * tokens * num_kv_heads * head_dim * FLOAT_FORMATS[compute_format].itemsize \
         if layers and kv_dtype != compute_format else 0
-    stored = vectors * (head_dim + 4) if kv_dtype == "int8" else vectors * head_dim * FLOAT_FORMATS[kv_dtype].itemsize
+    stored = vectors * (head_dim + 4) if kv_dtype == INT8 else vectors * head_dim * FLOAT_FORMATS[kv_dtype].itemsize
     return stored + scratch + tokens

@@ -75,3 +75,18 @@ def load_module(module: nn.Module, ckpt: Checkpoint, prefix: str, compute_dtype:
             progress(n + 1, len(params))
 
 
+def move(module: nn.Module, device: torch.device, moved: dict[int, torch.Tensor] | None = None) -> nn.Module:
+    """Puts every parameter and buffer of `module` on `device`. Each is replaced by its copy there (not changed in
+    place, as Module.to does), and `moved` remembers the copies across calls, so a tensor that two modules share
+    (a tied lm_head and embed_tokens) is moved once and stays shared."""
+    moved = {} if moved is None else moved
+    for sub in module.modules():
+        for store, as_param in ((sub._parameters, True), (sub._buffers, False)):
+            for name, tensor in list(store.items()):
+                if tensor is None or tensor.device == device:
+                    continue
+                if id(tensor) not in moved:
+                    copy = tensor.to(device)
+                    moved[id(tensor)] = nn.Parameter(copy, requires_grad=False) if as_param else copy
+                store[name] = moved[id(tensor)]
+    return module

@@ -23,7 +23,9 @@ from torch import nn
 
 from ..formats.dense import QuantizedLinear, quantize_dense
 from ..formats.kernel_stores import plain_cpu, swap_in_kernels
-from ..formats.stores import CONVERTED_FORMATS, CpuFloatExperts, QuantizedExperts, TorchInt4Stack
+from ..formats.int4 import TorchInt4Stack
+from ..formats.stores import CpuFloatExperts, QuantizedExperts
+from ..formats.table import BF16, INT4, format_named
 from ..kernels.cpu_linear import fuse_input_projections, use_cpu_linears
 from ..kernels.onednn_packing import pack_cpu_linears, packing_available
 from .step_kernels import attach_step_kernels
@@ -35,11 +37,11 @@ def is_float_experts(module: nn.Module) -> bool:
 
 
 def prepare_cpu(text: nn.Module, vision: nn.Module | None, release_text: Callable[[str], None],
-                release_vision: Callable[[str], None], dense_format: str = "bf16") -> None:
+                release_vision: Callable[[str], None], dense_format: str = BF16) -> None:
     """The CPU's swaps on a placed model (modules on a GPU are left as they are). `release_*(name)` is told each
     swapped module whose checkpoint pages can be dropped. `dense_format` is the plan's: int8 / int4 quantises the
     text model's dense matrices on the CPU (dense.py); a float format keeps them as loaded."""
-    if dense_format in CONVERTED_FORMATS:
+    if format_named(dense_format).converted:
         quantize_dense(text, dense_format, release_text)
     fuse_input_projections(text, release_text)
     use_cpu_linears(text)
@@ -60,9 +62,9 @@ def repack_int4_for_torch(text: nn.Module) -> None:
     """Gives the int4 matrices of `text` that no numba kernel computes (numba missing or off, an fp32 model's dense
     matrices) torch's int4 packing, whose kernel is faster than dequantising each product."""
     for module in list(text.modules()):
-        if isinstance(module, QuantizedExperts) and module.fmt == "int4" and plain_cpu(*module.buffers()):
+        if isinstance(module, QuantizedExperts) and module.fmt == INT4 and plain_cpu(*module.buffers()):
             module.gate_up_proj = TorchInt4Stack(module.gate_up_proj)
             module.down_proj = TorchInt4Stack(module.down_proj)
-        elif isinstance(module, QuantizedLinear) and module.fmt == "int4" and module.rows_kernel is None \
+        elif isinstance(module, QuantizedLinear) and module.fmt == INT4 and module.rows_kernel is None \
                 and plain_cpu(*module.buffers()):
             module.matrix = TorchInt4Stack(module.matrix)

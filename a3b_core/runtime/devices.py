@@ -6,7 +6,6 @@ present, so the engine runs unchanged with a stand-in accelerator (the tests pla
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from ..errors import PlacementError
 from .options import DEVICE_CHOICES
@@ -75,20 +74,3 @@ def empty_cache(device: torch.device) -> None:
     """Hands the CUDA allocator's cached, unused blocks back to the driver."""
     if is_real_cuda(device):
         torch.cuda.empty_cache()
-
-
-def move(module: nn.Module, device: torch.device, moved: dict[int, torch.Tensor] | None = None) -> nn.Module:
-    """Puts every parameter and buffer of `module` on `device`. Each is replaced by its copy there (not changed in
-    place, as Module.to does), and `moved` remembers the copies across calls, so a tensor that two modules share
-    (a tied lm_head and embed_tokens) is moved once and stays shared."""
-    moved = {} if moved is None else moved
-    for sub in module.modules():
-        for store, as_param in ((sub._parameters, True), (sub._buffers, False)):
-            for name, tensor in list(store.items()):
-                if tensor is None or tensor.device == device:
-                    continue
-                if id(tensor) not in moved:
-                    copy = tensor.to(device)
-                    moved[id(tensor)] = nn.Parameter(copy, requires_grad=False) if as_param else copy
-                store[name] = moved[id(tensor)]
-    return module

@@ -30,11 +30,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..errors import CheckpointError, GenerationError, PromptError
+from ..formats.table import FORMAT_OF_DTYPE, checked_kv_format
 from ..prompting.tokenizer import StreamDecoder, Tokenizer
 from . import devices
 from .glibc_heap import heap_kept
 from .inputs import ChatPrompt, EncodedImages, check_input_ids
-from .options import FORMAT_OF_DTYPE, checked_kv_format
 from .sampling import NOT_FINITE, Sampler, SamplingParams, resolve_sampling
 
 if TYPE_CHECKING:  # the engine calls generation; generation only needs the model's type for annotations
@@ -72,7 +72,7 @@ def generate(model: A3BModel, prompt, *, max_new_tokens: int = 256, temperature:
     """Generates one answer. Sampler values left as None take Qwen's recommendation for the prompt's thinking mode
     (see sampling.QWEN_RECOMMENDED); temperature 0 is greedy. `thinking_budget` caps the reasoning tokens, then
     forces "</think>" so the model answers. `stop` strings end the answer (they are matched in the answer only and
-    left out of it). `kv_dtype="int8"` quantises the attention cache (see cache.py for its error bound)."""
+    left out of it). kv_dtype int8 quantises the attention cache (see cache.py for its error bound)."""
     stream = (lambda _index, text: on_text(text)) if on_text is not None else None
     return _run(model, [prompt], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                 min_p=min_p, presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, seed=seed,

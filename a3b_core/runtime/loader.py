@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, ConfigError, ImageError, ModelReleasedError, PromptError, VideoError
-from ..formats.stores import CONVERTED_FORMATS
+from ..formats.table import CONVERTED_FORMATS, FORMAT_OF_DTYPE, FP8
 from ..media import image as image_pipeline
 from ..media import video as video_pipeline
 from ..models import family_for, family_of
@@ -20,11 +20,11 @@ from ..prompting.folder_template import FolderTemplate, find_chat_template
 from ..prompting.tokenizer import Tokenizer, check_against_config
 from ..release.config import ModelConfig, read_config
 from ..release.safetensors import Checkpoint
-from ..release.weights import Progress, find_prefix, load_module
+from ..release.weights import Progress, find_prefix, load_module, move
 from . import cpu_swaps as backends, devices
 from .generation import GenerationResult, SharedPrefix, generate, generate_batch, prefill_prefix
 from .inputs import ChatPrompt, EncodedImages, ImageSource, check_input_ids
-from .options import BUILT_IN_TEMPLATE, CHAT_TEMPLATES, COMPUTE_DTYPES, FORMAT_OF_DTYPE
+from .options import BUILT_IN_TEMPLATE, CHAT_TEMPLATES, COMPUTE_DTYPES
 from .placement import Plan, make_plan
 
 EXPERT_CACHE_VERSION = 2  # 2: int4 in experts.quantize_int4's own layout
@@ -411,7 +411,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     `ram_budget` bytes of RAM (default: what the system reports available). `chat_template` "auto" builds prompts with
     the folder's own chat template when it has one (chat_template.jinja, chat_template.json or tokenizer_config.json's),
     else with the family's built-in one; "built-in" always uses the built-in one (model.chat_template_in_use says
-    which). `dense_format` "int8" / "int4" holds the text model's dense matrices (attention and DeltaNet projections,
+    which). `dense_format` int8 / int4 holds the text model's dense matrices (attention and DeltaNet projections,
     shared experts, lm_head) weight-only quantised when the CPU computes them; "auto" keeps the compute dtype.
 
     preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
@@ -456,14 +456,14 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
             text = family.text_model(config.text)
         text_prefix = family.load_text(text, config.text, ckpt, dtype, progress, expert_placement,
                                        {fmt: expert_cache_dir(ckpt, fmt) for fmt in CONVERTED_FORMATS},
-                                       keep_fp8=plan.dense_format == "fp8")
+                                       keep_fp8=plan.dense_format == FP8)
         vision, vision_prefix = None, ""
         if plan.vision_device != "none":
             with torch.device("meta"):
                 vision = family.vision_tower(config.vision)
             vision_prefix = find_prefix(ckpt, family.vision_probe, family.vision_prefixes, "vision")
             load_module(vision, ckpt, vision_prefix, dtype)
-            devices.move(vision.eval(), where(plan.vision_device))
+            move(vision.eval(), where(plan.vision_device))
     except (RuntimeError, ValueError) as exc:  # torch refusing a tensor that passed the header checks
         raise CheckpointError(f"{folder}: the weights could not be loaded ({exc}). The files are corrupt or belong "
                               "to another model: download them again.") from exc

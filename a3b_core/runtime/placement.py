@@ -35,11 +35,13 @@ import torch
 
 from ..errors import PlacementError
 from ..formats.dense import is_quantised_dense
+from ..formats.table import (BF16, DENSE_FORMATS, FLOAT_FORMATS, FP8, FP32, INT4, INT8, KV_FORMATS, WEIGHT_FORMATS,
+                            format_named)
 from ..models import family_for, load_config
 from ..release.config import ModelConfig
 from ..release.safetensors import FP8_DTYPES, Checkpoint
 from ..release.weights import stays_fp32
-from .options import DENSE_FORMATS, FLOAT_FORMATS, KV_FORMATS, PRESET_NAMES, WEIGHT_FORMATS
+from .options import PRESET_NAMES
 
 MiB, GiB = 1 << 20, 1 << 30
 CUDA_CONTEXT_BYTES = 512 * MiB  # driver context, cuBLAS handles, allocator slack
@@ -65,7 +67,6 @@ PRESETS = {
 }
 CPU_CONTEXT = 32768
 MIN_CONTEXT = 4096  # an automatically chosen context is never halved below this
-QUANT = {"int8": (8, 128, 2), "int4": (4, 128, 8)}  # bits per weight, group size, bytes of scales per group
 DENSE_GROUPS = ("lm_head", "mixers", "shared_experts", "routers", "mlp", "norms", "other")
 
 TensorSpec = tuple[tuple[int, ...], torch.dtype]  # shape, dtype
@@ -76,7 +77,7 @@ Tensors = Mapping[str, TensorSpec]
 class PlanPart:
     name: str
     device: str  # "cuda" | "cpu"
-    format: str  # "bf16" | "fp8" | "int8" | "int4" | "fp32"; "-" for reserved workspace
+    format: str  # a weight format (formats/table.py); "-" for reserved workspace
     bytes: int
 
 
@@ -194,16 +195,11 @@ def _is_scale(name: str) -> bool:
 def tensor_bytes(name: str, shape: tuple[int, ...], dtype: torch.dtype, fmt: str) -> int:
     """Bytes one checkpoint tensor takes once loaded in `fmt` (FP8 scales only count while kept as fp8)."""
     numel = math.prod(shape)
-    if _is_scale(name):  # kept in fp32 next to FP8 weights; gone once they are dequantised
-        return numel * 4 if fmt == "fp8" else 0
+    if _is_scale(name):
+        return format_named(fmt).scale_bytes(numel)
     if stays_fp32(name, shape):
         return numel * 4
-    if fmt == "fp8":
-        return numel * (1 if dtype in FP8_DTYPES else 2)
-    if fmt in QUANT:
-        bits, group, scale_bytes = QUANT[fmt]
-        return numel * bits // 8 + -(-numel // group) * scale_bytes
-    return numel * FLOAT_FORMATS[fmt].itemsize
+    return format_named(fmt).tensor_bytes(numel, dtype)
 
 
 class Inventory:
@@ -235,8 +231,8 @@ class Inventory:
         """The format a group is reported in: vectors-only groups are fp32; fp8 only if something is fp8."""
         tensors = self.groups.get(group, {}).values()
         if all(len(shape) <= 1 for shape, _ in tensors):
-            return "fp32"
-        return "bf16" if fmt == "fp8" and not any(d in FP8_DTYPES for _, d in tensors) else fmt
+            return FP32
+        return BF16 if format_named(fmt).as_released and not any(d in FP8_DTYPES for _, d in tensors) else fmt
 
 
 def _bytes(tensors: Mapping[str, TensorSpec], fmt: str) -> int:
@@ -255,13 +251,13 @@ class _NoFit(Exception):
 
 class _Planner:
     def __init__(self, config: ModelConfig, inv: Inventory, weight_format: str, kv_cache: str,
-                 max_context: int | None, compute_format: str = "bf16", dense_format: str = "auto"):
+                 max_context: int | None, compute_format: str = BF16, dense_format: str = "auto"):
         self.config, self.inv, self.family = config, inv, family_for(config.model_type)
         self.weight_format, self.kv_cache, self.max_context = weight_format, kv_cache, max_context
         self.dense_format = dense_format
         self.compute_format = compute_format
         self.layers = tuple(inv.expert_layers)
-        self.gpu_expert_format = "fp8" if inv.experts_fp8 else compute_format
+        self.gpu_expert_format = FP8 if inv.experts_fp8 else compute_format
         self.tied = "lm_head" not in inv.groups and config.text.tie_word_embeddings
 
     def context_for(self, vram: int) -> int:
@@ -272,7 +268,7 @@ class _Planner:
 
     def _cache_choices(self, context: int, gpu: bool) -> Iterator[tuple[int, str]]:
         """(context, kv dtype) pairs to try, best first: bf16, then int8, then (if not user-set) shorter contexts."""
-        kvs = [self.kv_cache] if self.kv_cache != "auto" else [self.compute_format, "int8"] if gpu \
+        kvs = [self.kv_cache] if self.kv_cache != "auto" else [self.compute_format, INT8] if gpu \
             else [self.compute_format]
         while True:
             yield from ((context, kv) for kv in kvs)
@@ -296,9 +292,9 @@ class _Planner:
         notes.append(f"dense parts (mixers, shared experts, routers, norms, lm_head) on the "
                      f"{'GPU' if gpu else 'CPU'} in {dense_fmt}"
                      + (f" as the checkpoint stores them ({compute} where it is not fp8), dequantised per use: "
-                        f"{compute} would not leave room for the cache" if dense_fmt == "fp8" else "")
+                        f"{compute} would not leave room for the cache" if dense_fmt == FP8 else "")
                      + (f" (weight-only, as asked; routers, gates and embeddings stay {compute})"
-                        if dense_fmt in QUANT else ""))
+                        if format_named(dense_fmt).converted else ""))
         embed = inv.bytes("embed_tokens", compute)
         if gpu:
             notes.append(f"reserved on the GPU: {format_bytes(CUDA_CONTEXT_BYTES)} CUDA context and "
@@ -347,7 +343,7 @@ class _Planner:
         if self.layers:
             notes.append(self._expert_note(gpu, gpu_experts, gpu_layers, cpu_layers, cpu_format))
         if "mtp" in inv.groups:
-            notes.append(f"mtp.* ({len(inv.groups['mtp'])} tensors, {format_bytes(inv.bytes('mtp', 'bf16'))}) is not "
+            notes.append(f"mtp.* ({len(inv.groups['mtp'])} tensors, {format_bytes(inv.bytes('mtp', BF16))}) is not "
                          "loaded: multi-token prediction is not used")
         return Plan(preset=preset, gpu_budget=gpu_budget, cpu_budget=cpu_budget,
                     parts=tuple(sorted(parts, key=lambda p: p.device != "cuda")), expert_format_cpu=cpu_format,
@@ -371,7 +367,7 @@ class _Planner:
         """One dense group in `fmt`; in int8 / int4 only the matrices is_quantised_dense names are, the rest stay in
         the compute format."""
         inv = self.inv
-        if fmt not in QUANT:
+        if not format_named(fmt).converted:
             return PlanPart(group, device, inv.label(group, fmt), inv.bytes(group, fmt))
         tensors = inv.groups[group]
         quantised = {name for name, (shape, _) in tensors.items() if is_quantised_dense(name, shape)}
@@ -390,7 +386,7 @@ class _Planner:
                 + self.family.kv_bytes(self.config, context, kv, self.compute_format)
                 + self.family.state_bytes(self.config)
                 + self.inv.bytes("vision", self.compute_format))
-        return self.compute_format if need <= gpu_budget else "fp8"
+        return self.compute_format if need <= gpu_budget else FP8
 
     def _cache_parts(self, parts: list[PlanPart], device: str, gpu_budget: int, context: int,
                      notes: list[str]) -> tuple[list[PlanPart], int]:
@@ -416,7 +412,7 @@ class _Planner:
         notes.append(f"KV cache in {kv} for {tokens} tokens (one sequence)"
                      + (f"; the {name.replace('_', ' ')} is {format_bytes(state)} at any length" if name else ""))
         parts = [PlanPart("kv_cache", device, kv, self.family.kv_bytes(self.config, tokens, kv, self.compute_format))]
-        return parts + ([PlanPart(name, device, "fp32", state)] if name else []), tokens
+        return parts + ([PlanPart(name, device, FP32, state)] if name else []), tokens
 
     def _cpu_expert_format(self, parts: list[PlanPart], cpu_layers: list[int], cpu_budget: int,
                            notes: list[str]) -> str:
@@ -429,19 +425,19 @@ class _Planner:
         fmt = self.weight_format
         if fmt != "auto":
             notes.append(f"CPU experts in {fmt}, as asked")
-        elif self.compute_format == "fp32":
-            fmt = "fp32"
+        elif self.compute_format == FP32:
+            fmt = FP32
             notes.append("CPU experts in fp32: compute_dtype float32 keeps every weight exact (the reference mode)")
-        elif need("int8") <= cpu_budget:
-            fmt = "int8"
+        elif need(INT8) <= cpu_budget:
+            fmt = INT8
             notes.append("CPU experts in int8 (weight-only, one scale per row, ~0.5x of bf16): faster than bf16 on the "
                          "CPU at a small accuracy cost" + ("; the fp8 experts are converted once at load, since "
                                                            "dequantising fp8 per use is slow on CPUs"
                                                            if self.inv.experts_fp8 else ""))
         else:
-            fmt = "int4"
+            fmt = INT4
             notes.append(f"CPU experts in int4 (groups of 128, ~0.28x of bf16) because int8 would need "
-                         f"{format_bytes(need('int8'))} of RAM and {format_bytes(cpu_budget)} is available; int4 "
+                         f"{format_bytes(need(INT8))} of RAM and {format_bytes(cpu_budget)} is available; int4 "
                          "costs some accuracy")
         if need(fmt) > cpu_budget:
             raise _NoFit("RAM", need(fmt), cpu_budget,
@@ -461,7 +457,7 @@ class _Planner:
         elif gpu:
             one_more = self.inv.layer_bytes(cpu_layers[0], self.gpu_expert_format)
             note += f" (one more layer on the GPU needs {format_bytes(one_more)})"
-        if cpu_format == "fp8":
+        if cpu_format == FP8:
             note += "; fp8 is dequantised per use, which is slow on most CPUs"
         return note
 
@@ -485,7 +481,7 @@ def _check_choice(what: str, value: object, choices: tuple[str, ...]) -> None:
 
 def make_plan(config: ModelConfig, tensors: Tensors, preset: str = "auto", weight_format: str = "auto",
               kv_cache: str = "auto", max_context: int | None = None, gpu_free: int | None = None,
-              cpu_free: int | None = None, has_cuda: bool | None = None, compute_format: str = "bf16",
+              cpu_free: int | None = None, has_cuda: bool | None = None, compute_format: str = BF16,
               dense_format: str = "auto") -> Plan:
     """Plans where every part of the model lives. gpu_free / cpu_free (bytes) and has_cuda default to this machine's
     (torch.cuda.mem_get_info, /proc/meminfo MemAvailable, torch.cuda.is_available)."""
@@ -499,8 +495,8 @@ def make_plan(config: ModelConfig, tensors: Tensors, preset: str = "auto", weigh
         raise PlacementError(f"max_context {max_context!r} is out of range: expected 1 to {limit} (the model's "
                              "max_position_embeddings), or leave it unset for the preset's default.")
     inv = Inventory(tensors, family_for(config.model_type).classify)
-    if weight_format == "fp8" and inv.expert_layers and not inv.experts_fp8:
-        raise PlacementError("weight_format 'fp8' keeps the checkpoint's FP8 experts, but this checkpoint stores "
+    if weight_format == FP8 and inv.expert_layers and not inv.experts_fp8:
+        raise PlacementError("weight_format fp8 keeps the checkpoint's FP8 experts, but this checkpoint stores "
                              "them unquantised; use int8, int4 or bf16 (or auto), or load the model's FP8 release.")
     planner = _Planner(config, inv, weight_format, kv_cache, max_context, compute_format, dense_format)
     has_cuda = torch.cuda.is_available() if has_cuda is None else has_cuda
@@ -558,12 +554,12 @@ def _fixes(planner: _Planner, short: _NoFit, preset: str, gpu_budget: int, cpu_b
             powers = (1 << k for k in range(planner.max_context.bit_length() - 1, 9, -1))
             shorter = next((c for c in powers if c < planner.max_context and fits(gpu_budget, max_context=c)), None)
             tips += [f"max_context {shorter} fits"] if shorter else []
-        if planner.kv_cache != "int8" and fits(gpu_budget, kv_cache="int8"):
+        if planner.kv_cache != INT8 and fits(gpu_budget, kv_cache=INT8):
             tips.append("kv_cache int8 fits")
         tips.append("preset cpu runs everything from RAM" if fits(0, False)
                     else "preset cpu does not fit in RAM either")
     else:
-        if planner.weight_format not in ("auto", "int4") and fits(gpu_budget, weight_format="int4"):
+        if planner.weight_format not in ("auto", INT4) and fits(gpu_budget, weight_format=INT4):
             tips.append("weight_format int4 fits")
         tips.append("free RAM by closing other programs")
     return tips

@@ -41,10 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats.dense import QuantizedLinear
-from ..formats.kernel_stores import (FORMAT_CODES, KERNEL_FORMATS, LOCK, KernelExperts, compiled_kernels,
-                                     dequantized_product, kernel_arrays, kernels_enabled, plain_cpu, set_threads)
+from ..formats.kernel_stores import (KERNEL_FORMATS, LOCK, KernelExperts, compiled_kernels, dequantized_product,
+                                     kernel_arrays, kernels_enabled, plain_cpu, set_threads)
 from ..formats.kernel_stores import matrix as expert_matrix
 from ..formats.stores import CpuFloatExperts, QuantizedExperts
+from ..formats.table import BF16, INT4, INT8, format_named
 from ..kernels.cpu_linear import GEMV_MAX_ROWS, CpuLinear, FusedLinear
 from ..models.kv_cache import KVCache
 
@@ -58,9 +59,10 @@ class DenseKernel:
     products of more rows take its kernel-dequantised weights and torch's product, as the routed experts' do."""
 
     def __init__(self, fmt: str, stack: nn.Module | torch.Tensor, kernels: ModuleType):
-        self.fmt, self.code, self.kernels = fmt, FORMAT_CODES[fmt], kernels
-        self.arrays = kernel_arrays(fmt, stack)
-        self.quantised = fmt != "bf16"
+        self.fmt = format_named(fmt)
+        self.code, self.kernels = self.fmt.kernel_code, kernels
+        self.arrays = kernel_arrays(stack)
+        self.quantised = self.fmt.quantized
         self.shape = tuple(stack.shape[1:])  # (out, in)
 
     def takes(self, x: torch.Tensor) -> bool:
@@ -151,7 +153,7 @@ class MoeStepKernel:
         no_scale = router.arrays[1]
         self.kernels = kernels
         self.arrays = (router.arrays[0], mix.arrays[0], no_scale, gate.code, *gate.arrays, *up.arrays, *down.arrays,
-                       FORMAT_CODES[experts.fmt], experts.inter, *experts.gate_up_proj.arrays,
+                       experts.fmt.kernel_code, experts.inter, *experts.gate_up_proj.arrays,
                        *experts.down_proj.arrays, top_k)
 
     @classmethod
@@ -162,7 +164,7 @@ class MoeStepKernel:
         if not isinstance(moe.experts, KernelExperts) or any(p is None for p in parts):
             return None
         router, gate, up, mix, down = parts
-        if router.fmt != "bf16" or mix.fmt != "bf16" or not gate.fmt == up.fmt == down.fmt:
+        if router.fmt != BF16 or mix.fmt != BF16 or not gate.fmt == up.fmt == down.fmt:
             return None
         if not checked_moe_step(gate.fmt, moe.experts.fmt):
             return None
@@ -230,7 +232,7 @@ class DeltaNetLayerKernel(LayerStepKernel):
             return None
         qkv, z, b, a, out = (dense_kernel(m, kernels) for m in (*input_matrices(mixer), mixer.out_proj))
         if any(p is None for p in (qkv, z, b, a, out)) or not qkv.fmt == z.fmt == out.fmt \
-                or not b.fmt == a.fmt == "bf16":
+                or not b.fmt == a.fmt == BF16:
             return None
         arrays = (*shared[0], qkv.code, *qkv.arrays, *z.arrays, b.arrays[0], a.arrays[0], *out.arrays, delta.conv_w,
                   delta.a_log, delta.dt_bias, delta.norm_w, delta.key_heads, *shared[1])
@@ -391,7 +393,7 @@ def dense_kernel(matrix: nn.Module | torch.Tensor, kernels: ModuleType) -> Dense
         matrix = matrix.weight.data
     ok = isinstance(matrix, torch.Tensor) and matrix.dtype == torch.bfloat16 and plain_cpu(matrix) \
         and matrix.is_contiguous()
-    return DenseKernel("bf16", matrix[None], kernels) if ok else None
+    return DenseKernel(BF16, matrix[None], kernels) if ok else None
 
 
 @cache
@@ -421,12 +423,12 @@ def check_moe_step(kernels: ModuleType, shared: str, routed: str) -> None:
     for name, shape in (("shared_expert.gate_proj", (inter, hidden)), ("shared_expert.up_proj", (inter, hidden)),
                         ("shared_expert.down_proj", (hidden, inter))):
         w = torch.randn(*shape, generator=g) * shape[1] ** -0.5
-        matrices[name] = w.bfloat16() if shared == "bf16" else QuantizedLinear(shared, w)
+        matrices[name] = w.bfloat16() if shared == BF16 else QuantizedLinear(shared, w)
     parts = {name: dense_kernel(m, kernels) for name, m in {"gate": router, "shared_expert_gate": mix,
                                                           **matrices}.items()}
     gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5
     down = torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5
-    if routed == "bf16":
+    if routed == BF16:
         store = CpuFloatExperts(nn.Parameter(gate_up.bfloat16()), nn.Parameter(down.bfloat16()))
     else:
         store = QuantizedExperts(routed, experts, hidden, inter)
@@ -472,9 +474,9 @@ def check_step_kernels(kernels: ModuleType) -> None:
     rows."""
     g = torch.Generator().manual_seed(0)
     weight, x = torch.randn(64, 128, generator=g).bfloat16(), torch.randn(2, 128, generator=g)
-    matrices = {"bf16": weight[None], **{fmt: QuantizedLinear(fmt, weight.float()).matrix for fmt in ("int8", "int4")}}
+    matrices = {BF16: weight[None], **{fmt: QuantizedLinear(fmt, weight.float()).matrix for fmt in (INT8, INT4)}}
     for fmt, matrix in matrices.items():
-        kernel, exact = DenseKernel(fmt, matrix, kernels), (matrix[0] if fmt == "bf16" else matrix.dequantize(0)).float()
+        kernel, exact = DenseKernel(fmt, matrix, kernels), (matrix[0] if fmt == BF16 else matrix.dequantize(0)).float()
         for rows, bound in ((x, 1e-4), (x.bfloat16(), 1e-2)):  # bf16: the result rounded to bf16
             want = rows.float() @ exact.t()
             # bounds as a fraction of the largest |result|: int4 and int8 rows multiply int16 codes of activations
@@ -516,7 +518,7 @@ def attach_step_kernels(text: nn.Module) -> None:
             weight = module.weight.data
             if weight.dtype == torch.bfloat16 and plain_cpu(weight) and weight.is_contiguous() \
                     and weight.shape[0] >= BF16_KERNEL_MIN_ROWS:
-                module.rows_kernel = DenseKernel("bf16", weight[None], kernels)
+                module.rows_kernel = DenseKernel(BF16, weight[None], kernels)
         elif isinstance(module, QuantizedLinear):
             if module.fmt in KERNEL_FORMATS and plain_cpu(*module.buffers()):
                 module.rows_kernel = DenseKernel(module.fmt, module.matrix, kernels)

@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from a3b_core.formats.fp8 import FP8_BLOCK, quantize_fp8
 from a3b_core.media import video as video_pipeline
 from a3b_core.media.image import to_patches
 from a3b_core.models import parse_config
@@ -83,8 +84,6 @@ TRAIN_SEED = 0
 VALIDATION_SEED = 998  # picks the best checkpoint during training
 TEST_SEED = 999  # never seen in training or selection: the reported accuracy
 IGNORE = -100
-FP8_BLOCK = 128
-FP8_MAX = 448.0
 # The matrices the official FP8 release stores as e4m3; experts get bf16 scales, the others fp32.
 FP8_EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 FP8_OTHER = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
@@ -401,17 +400,6 @@ def release_tensors(text: TextModel, vision: VisionTower) -> dict[str, torch.Ten
             for n, p in named.items()}
 
 
-def quantise_fp8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """[out, in] -> (e4m3, weight_scale_inv [ceil(out/128), ceil(in/128)]) with scale = block absmax / 448."""
-    rows, cols = weight.shape
-    br, bc = -(-rows // FP8_BLOCK), -(-cols // FP8_BLOCK)
-    padded = F.pad(weight.abs().float(), (0, bc * FP8_BLOCK - cols, 0, br * FP8_BLOCK - rows))
-    absmax = padded.view(br, FP8_BLOCK, bc, FP8_BLOCK).amax(dim=(1, 3))
-    scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax)).to(scale_dtype)
-    full = scale.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:rows, :cols]
-    return (weight.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
-
-
 def fp8_tensors(bf16: dict[str, torch.Tensor], inter: int) -> dict[str, torch.Tensor]:
     """The official FP8 layout: per-expert e4m3 experts and the FP8_OTHER matrices with block scales; the rest as in
     the BF16 release."""
@@ -430,7 +418,7 @@ def fp8_tensors(bf16: dict[str, torch.Tensor], inter: int) -> dict[str, torch.Te
             continue
         scale_dtype = torch.bfloat16 if FP8_EXPERT.search(name) else torch.float32 if FP8_OTHER.search(name) else None
         if scale_dtype is not None:
-            out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = quantise_fp8(out[name], scale_dtype)
+            out[name], out[name.removesuffix("weight") + "weight_scale_inv"] = quantize_fp8(out[name], scale_dtype)
     return {n: t.contiguous() for n, t in out.items()}
 
 

@@ -2,6 +2,7 @@
 the DeltaNet state, and the activations of a prompt token while prefilling."""
 from __future__ import annotations
 
+from ...formats.table import BF16
 from ...release.config import ModelConfig
 from .. import kv_cache
 from ..layers import ATTENTION_SCORES_BYTES
@@ -12,7 +13,7 @@ from .text import GDN_CHUNK
 ACTIVATION_COPIES = 6
 
 
-def kv_bytes(config: ModelConfig, tokens: int, kv_dtype: str, compute_format: str = "bf16") -> int:
+def kv_bytes(config: ModelConfig, tokens: int, kv_dtype: str, compute_format: str = BF16) -> int:
     """Keys and values of the full-attention layers for `tokens` tokens of one sequence (kv_cache.kv_bytes)."""
     t = config.text
     return kv_cache.kv_bytes(t.layer_types.count("full_attention"), t.num_kv_heads, t.head_dim, tokens, kv_dtype,

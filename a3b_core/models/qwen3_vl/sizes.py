@@ -2,6 +2,7 @@
 and the activations of a prompt token while prefilling. There is no recurrent state."""
 from __future__ import annotations
 
+from ...formats.table import BF16
 from ...release.config import ModelConfig
 from .. import kv_cache
 from ..layers import ATTENTION_SCORES_BYTES
@@ -12,7 +13,7 @@ ACTIVATION_COPIES = 6
 MIN_PREFILL_CHUNK = 64
 
 
-def kv_bytes(config: ModelConfig, tokens: int, kv_dtype: str, compute_format: str = "bf16") -> int:
+def kv_bytes(config: ModelConfig, tokens: int, kv_dtype: str, compute_format: str = BF16) -> int:
     """Keys and values of every layer for `tokens` tokens of one sequence (kv_cache.kv_bytes)."""
     t = config.text
     return kv_cache.kv_bytes(t.num_layers, t.num_kv_heads, t.head_dim, tokens, kv_dtype, compute_format)
