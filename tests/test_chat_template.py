@@ -23,7 +23,7 @@ from a3b_core.prompting.built_in_templates import qwen3_5_prompt as built_in_pro
 from a3b_core.prompting.conversation import IMAGE_MARKER, Turn, count_image_markers
 from a3b_core.prompting.folder_template import (MAX_FILE_BYTES, MAX_TEMPLATE_CHARACTERS, FolderTemplate,
                                                 find_chat_template)
-from a3b_core.prompting.template_sandbox import RENDER_SECONDS
+from a3b_core.prompting.template_costs import RENDER_SECONDS
 from a3b_core.prompting.tokenizer import Tokenizer
 from tests.test_bad_inputs import FIX
 from tests.test_prompt import official_text

@@ -19,8 +19,8 @@ from ..errors import ChatTemplateError
 from ..release.config import inside_folder
 from .conversation import (IMAGE_PAD, VIDEO_PAD, ImagePart, MediaTokens, Message, Prompt, Turn, VideoPart, conversation,
                            pads_for, pads_in, tokenize)
-from .template_sandbox import (MAX_TEXT, TEMPLATE_FAILURES, RaisedByTemplate, TemplateLimitError, allowance,
-                               compile_template, failure_reason)
+from .template_costs import MAX_TEXT, TemplateLimitError, allowance
+from .template_sandbox import TEMPLATE_FAILURES, RaisedByTemplate, compile_template, failure_reason
 from .tokenizer import Tokenizer
 
 # "auto": the model folder's own chat template when it has one, else the family's built-in one; "built-in": always it
