@@ -17,10 +17,13 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from a3b_core import load_model
 from a3b_core.errors import ChatTemplateError, ConfigError, PromptError
-from a3b_core.models.qwen3_5.chat_template import build_prompt as built_in_prompt
+from a3b_core.models import FAMILIES
+from a3b_core.prompting.built_in_templates import BUILT_IN_TEMPLATES
+from a3b_core.prompting.built_in_templates import qwen3_5_prompt as built_in_prompt
 from a3b_core.prompting.conversation import IMAGE_MARKER, Turn, count_image_markers
-from a3b_core.prompting.folder_template import (MAX_FILE_BYTES, MAX_TEMPLATE_CHARACTERS, RENDER_SECONDS, FolderTemplate,
+from a3b_core.prompting.folder_template import (MAX_FILE_BYTES, MAX_TEMPLATE_CHARACTERS, FolderTemplate,
                                                 find_chat_template)
+from a3b_core.prompting.template_costs import RENDER_SECONDS
 from a3b_core.prompting.tokenizer import Tokenizer
 from tests.test_bad_inputs import FIX
 from tests.test_prompt import official_text
@@ -129,6 +132,10 @@ def folder(tmp_path, fixtures) -> Path:
 
 def load(folder: Path, **options):
     return load_model(folder, preset="cpu", compute_dtype="float32", **options)
+
+
+def test_every_family_has_a_built_in_template():
+    assert {family.name for family in FAMILIES} == set(BUILT_IN_TEMPLATES)
 
 
 def test_a_folder_without_a_template_uses_the_built_in_one(built_in_model, fixtures):

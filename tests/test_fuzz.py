@@ -32,9 +32,10 @@ from a3b_core import load_model
 from a3b_core.errors import ChatTemplateError, CheckpointError, ConfigError, ImageError, PromptError
 from a3b_core.media.image import MAX_INPUT_PIXELS, load_image
 from a3b_core.models import load_config, parse_config
-from a3b_core.models.qwen3_5.chat_template import build_prompt
+from a3b_core.prompting.built_in_templates import qwen3_5_prompt as build_prompt
 from a3b_core.prompting.conversation import IMAGE_MARKER, Turn
-from a3b_core.prompting.folder_template import RENDER_SECONDS, FolderTemplate
+from a3b_core.prompting.folder_template import FolderTemplate
+from a3b_core.prompting.template_costs import RENDER_SECONDS
 from a3b_core.prompting.tokenizer import Tokenizer, check_against_config
 from a3b_core.release.config import MAX_LAYERS, ModelConfig
 from a3b_core.release.safetensors import Checkpoint, read_header

@@ -11,7 +11,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 
 from a3b_core.errors import PromptError
-from a3b_core.models.qwen3_5.chat_template import build_prompt
+from a3b_core.prompting.built_in_templates import qwen3_5_prompt as build_prompt
 from a3b_core.prompting.conversation import IMAGE_MARKER, Prompt, Turn, count_image_markers
 from a3b_core.prompting.tokenizer import Tokenizer
 from a3b_core.services.openai_messages import conversation_from_messages

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from a3b_core import load_model
-from a3b_core.models.qwen3_vl.chat_template import always_thinks, build_prompt
+from a3b_core.prompting.built_in_templates import qwen3_vl_always_thinks as always_thinks
+from a3b_core.prompting.built_in_templates import qwen3_vl_prompt as build_prompt
 from a3b_core.prompting.conversation import IMAGE_MARKER, Turn, count_image_markers
 from a3b_core.prompting.tokenizer import Tokenizer
 from tests.test_prompt import IMAGE, assert_matches_official, official_content, official_template

@@ -14,7 +14,7 @@ import torch
 
 from a3b_core import GenerationError, PromptError, RemoteError, load_model
 from a3b_core.services.openai_client import RemoteImages, RemoteModel, checked_base_url
-from a3b_core.services.openai_server import decode_image_url
+from a3b_core.services.openai_requests import decode_image_url
 from nodes.generation import generate_answers
 from nodes.prompt_spec import PER_IMAGE, SINGLE, PromptSpec, build_prompts
 from nodes.remote_handle import RemoteModelHandle

@@ -28,8 +28,9 @@ import pytest
 from PIL import Image
 
 from a3b_core import GenerationResult, load_model
-from a3b_core.services.openai_server import (IDLE_TIMEOUT_S, MAX_IMAGES_PER_REQUEST, MAX_REQUEST_PIXELS, MAX_STOP_CHARS,
-                                             MAX_STOP_STRINGS, AnswerStream, RequestError, parse_chat_request)
+from a3b_core.services.openai_requests import (MAX_IMAGES_PER_REQUEST, MAX_REQUEST_PIXELS, MAX_STOP_CHARS,
+                                               MAX_STOP_STRINGS, RequestError, parse_chat_request)
+from a3b_core.services.openai_server import IDLE_TIMEOUT_S, AnswerStream
 from tests.hostile_inputs import EPS, blank_png, cpu_seconds, fake_ghostscript, memory_kib, reset_peak
 from tests.integration.pixel_art_inputs import INPUTS, expected_captions
 from tests.served import REPO, Served, start_served

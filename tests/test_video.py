@@ -13,8 +13,7 @@ import torch
 
 from a3b_core import EncodedImages, PromptError, VideoError, load_model
 from a3b_core.media.video import _read_with_opencv, read_video
-from a3b_core.models.qwen3_5.chat_template import build_prompt as qwen3_5_prompt
-from a3b_core.models.qwen3_vl.chat_template import build_prompt as qwen3_vl_prompt
+from a3b_core.prompting.built_in_templates import qwen3_5_prompt, qwen3_vl_prompt
 from a3b_core.prompting.conversation import Turn, VideoTokens
 from a3b_core.prompting.tokenizer import Tokenizer
 from nodes.captions import caption_stems

@@ -1,6 +1,6 @@
-"""Model families: each folder here is one (its config, modules, chat template, checkpoint layout and sizes), found
-by config.json's model_type. The engine, the planner and the generation loop use a family only through `Family`
-(family.py); a new family is a new folder and one entry in FAMILIES."""
+"""Model families: each folder here is one (its config, modules, checkpoint layout and sizes), found by config.json's
+model_type. The engine, the planner and the generation loop use a family only through `Family` (family.py); a new
+family is a new folder, one entry in FAMILIES and its built-in chat template (prompting/built_in_templates.py)."""
 from __future__ import annotations
 
 from pathlib import Path

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,11 +29,6 @@ class Family:
     place_text: Callable[..., None]  # (text, dense device, embedding device, {layer: routed experts' device})
     vision_prefixes: tuple[str, ...]  # where the vision tower's tensors may be named
     vision_probe: str  # a tensor name every vision tower has
-    build_prompt: Callable[..., Any]  # the chat template: text, images and turns -> token ids
-    # a model folder -> whether its model always thinks (True), never does (False), or as each prompt asks (None)
-    fixed_thinking: Callable[[Path], bool | None]
-    # whether the built-in template thinks when a prompt does not say (for models that think as asked)
-    default_thinking: bool
     positions: Callable[..., tuple[torch.Tensor, int]]  # one prompt's rotary positions and rope delta
     new_cache: Callable[..., Any]  # a generation cache for a batch
     classify: Callable[[str], tuple[str, int | None]]  # a tensor name -> (planner group, text layer)

@@ -2,7 +2,7 @@
 [[IMG]] and [[VID]] markers that place an image or a video in a user text.
 
 `conversation` checks what a caller gives and lays it out as messages; a chat template (the model folder's own,
-chat_template.py, or the family's built-in one, models/<family>/chat_template.py) renders those into text with one
+folder_template.py, or the family's built-in one, built_in_templates.py) renders those into text with one
 image pad per image and one video pad per video, and `tokenize` writes each image out to its number of LM tokens and
 each video out to its frame groups, each a timestamp then its tokens."""
 from __future__ import annotations

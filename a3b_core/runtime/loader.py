@@ -15,6 +15,7 @@ from ..formats.table import CONVERTED_FORMATS, FORMAT_OF_DTYPE, FP8
 from ..media import image as image_pipeline
 from ..media import video as video_pipeline
 from ..models import family_for, family_of
+from ..prompting.built_in_templates import BUILT_IN_TEMPLATES
 from ..prompting.conversation import VIDEO_PAD, Turn, VideoTokens, tokenize
 from ..prompting.folder_template import FolderTemplate, find_chat_template
 from ..prompting.tokenizer import Tokenizer, check_against_config
@@ -76,7 +77,9 @@ class A3BModel:
         self.folder = folder
         self.config = config
         self.family = family_for(config.model_type)
-        self.fixed_thinking = self.family.fixed_thinking(folder)  # a model that always (never) thinks: True (False)
+        self.built_in_template = BUILT_IN_TEMPLATES[self.family.name]
+        # a model that always (never) thinks: True (False); None: as each prompt asks
+        self.fixed_thinking = self.built_in_template.fixed_thinking(folder)
         self.text = text
         self.vision = vision
         self.tokenizer = tokenizer
@@ -96,7 +99,7 @@ class A3BModel:
         if self.config.default_thinking is not None:
             return self.config.default_thinking
         folder_default = self.chat_template.default_thinking() if self.chat_template is not None else None
-        return self.family.default_thinking if folder_default is None else folder_default
+        return self.built_in_template.default_thinking if folder_default is None else folder_default
 
     @property
     def chat_template_in_use(self) -> str:
@@ -242,7 +245,8 @@ class A3BModel:
             thinking = self.fixed_thinking
         elif thinking is None:
             thinking = self.default_thinking
-        template = self.chat_template.build_prompt if self.chat_template is not None else self.family.build_prompt
+        template = (self.chat_template.build_prompt if self.chat_template is not None
+                    else self.built_in_template.build_prompt)
         prompt = template(self.require_tokenizer(), user, system=system, image_token_counts=images.prompt_tokens,
                           thinking=thinking, history=history, add_vision_id=add_vision_id)
         return ChatPrompt(prompt, images)

@@ -68,7 +68,7 @@ from a3b_core.media import video as video_pipeline
 from a3b_core.media.image import to_patches
 from a3b_core.models import parse_config
 from a3b_core.models.mrope import mrope_position_ids
-from a3b_core.models.qwen3_5.chat_template import build_prompt
+from a3b_core.prompting.built_in_templates import qwen3_5_prompt as build_prompt
 from a3b_core.models.qwen3_5.text import TextModel
 from a3b_core.models.vision import VisionTower
 from a3b_core.prompting.conversation import MediaTokens, Turn, VideoTokens

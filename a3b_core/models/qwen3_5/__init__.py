@@ -8,7 +8,6 @@ from ..family import Family
 from ..mrope import positions
 from ..vision import VisionTower
 from .cache import Cache
-from .chat_template import build_prompt, thinking_as_asked
 from .config import MODEL_TYPES, describe, parse_config
 from .sizes import deltanet_state_bytes, kv_bytes, prefill_chunk
 from .text import TextModel
@@ -16,8 +15,6 @@ from .text import TextModel
 FAMILY = Family(
     name="Qwen3.5/3.6", model_types=tuple(MODEL_TYPES), parse_config=parse_config, describe=describe,
     stored_layers=stored_layers, text_model=TextModel, vision_tower=VisionTower, load_text=load_text_model,
-    place_text=place_text_model, vision_prefixes=VISION_PREFIXES, vision_probe=VISION_PROBE,
-    build_prompt=build_prompt, fixed_thinking=thinking_as_asked,
-    default_thinking=True, positions=positions, new_cache=Cache,
-    classify=classify, expert_layout=expert_layout, kv_bytes=kv_bytes, state_bytes=deltanet_state_bytes,
-    state_part="deltanet_state", prefill_chunk=prefill_chunk)
+    place_text=place_text_model, vision_prefixes=VISION_PREFIXES, vision_probe=VISION_PROBE, positions=positions,
+    new_cache=Cache, classify=classify, expert_layout=expert_layout, kv_bytes=kv_bytes,
+    state_bytes=deltanet_state_bytes, state_part="deltanet_state", prefill_chunk=prefill_chunk)

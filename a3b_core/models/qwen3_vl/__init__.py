@@ -7,7 +7,6 @@ from ..checkpoint_layout import (VISION_PREFIXES, VISION_PROBE, classify, expert
 from ..family import Family
 from ..mrope import positions
 from ..vision import VisionTower
-from .chat_template import always_thinks, build_prompt
 from .config import MODEL_TYPES, describe, parse_config
 from .sizes import kv_bytes, prefill_chunk, state_bytes
 from .text import TextModel, new_cache
@@ -15,8 +14,6 @@ from .text import TextModel, new_cache
 FAMILY = Family(
     name="Qwen3-VL", model_types=tuple(MODEL_TYPES), parse_config=parse_config, describe=describe,
     stored_layers=stored_layers, text_model=TextModel, vision_tower=VisionTower, load_text=load_text_model,
-    place_text=place_text_model, vision_prefixes=VISION_PREFIXES, vision_probe=VISION_PROBE,
-    build_prompt=build_prompt, fixed_thinking=always_thinks,
-    default_thinking=False, positions=positions, new_cache=new_cache,
-    classify=classify, expert_layout=expert_layout, kv_bytes=kv_bytes, state_bytes=state_bytes, state_part="",
-    prefill_chunk=prefill_chunk)
+    place_text=place_text_model, vision_prefixes=VISION_PREFIXES, vision_probe=VISION_PROBE, positions=positions,
+    new_cache=new_cache, classify=classify, expert_layout=expert_layout, kv_bytes=kv_bytes, state_bytes=state_bytes,
+    state_part="", prefill_chunk=prefill_chunk)

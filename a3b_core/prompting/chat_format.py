@@ -1,22 +1,21 @@
-"""The built-in chat templates of the Qwen families, written out in Python: used when the model folder has no chat
-template of its own (or the loader's chat_template is "built-in"), and the oracle the folder templates are tested
-against.
+"""How the built-in chat templates render a conversation, written out in Python (built_in_templates.py holds each
+family's formats).
 
 All render messages as `<|im_start|>{role}\\n{content}<|im_end|>\\n`, an image as
 `<|vision_start|><|image_pad|><|vision_end|>` and a video as `<|vision_start|><|video_pad|><|vision_end|>` (then
-prompt.tokenize writes `<|image_pad|>` out once per LM token of that image, and `<|video_pad|>` out as the video's
+conversation.tokenize writes `<|image_pad|>` out once per LM token of that image, and `<|video_pad|>` out as the video's
 timestamped frame groups, as the processor would). What differs, a ChatFormat says: whether texts are trimmed, how
-an earlier answer is re-rendered, and what the generation prompt opens with. Each family's chat_template.py holds its
-formats; tests render the released chat_template.jinja files as the oracle.
+an earlier answer is re-rendered, and what the generation prompt opens with. Tests render the released
+chat_template.jinja files as the oracle.
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ..prompting.conversation import (IMAGE_PAD, VIDEO_PAD, ImagePart, MediaTokens, Message, Prompt, Turn, VideoPart,
-                                      conversation, tokenize)
-from ..prompting.tokenizer import Tokenizer
+from .conversation import (IMAGE_PAD, VIDEO_PAD, ImagePart, MediaTokens, Message, Prompt, Turn, VideoPart, conversation,
+                           tokenize)
+from .tokenizer import Tokenizer
 
 _VISION_TEXT = {ImagePart: ("Picture", "<|vision_start|>" + IMAGE_PAD + "<|vision_end|>"),
                 VideoPart: ("Video", "<|vision_start|>" + VIDEO_PAD + "<|vision_end|>")}
@@ -32,7 +31,7 @@ class ChatFormat:
 def render(chat: ChatFormat, tokenizer: Tokenizer, user: str, *, system: str | None = None,
            image_token_counts: Sequence[MediaTokens] = (), thinking: bool = False,
            history: Sequence[Turn] = (), add_vision_id: bool = False) -> Prompt:
-    """Renders a conversation (see prompt.conversation for what it takes) the way the chat template of `chat` does
+    """Renders a conversation (see conversation.conversation for what it takes) the way the chat template of `chat` does
     and tokenizes it. `add_vision_id` labels images "Picture N: " and videos "Video N: ", each numbered across the whole
     conversation."""
     checked = conversation(tokenizer, user, system=system, image_token_counts=image_token_counts, history=history)
