@@ -160,6 +160,11 @@ class ForwardPass:
                                    last_only=True)
         return logits[:, -1]
 
+    def decode_step(self, tokens: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
+        """One new token per row (`tokens` [B], in RAM) at `position_ids` [3, B, 1], appended to `cache`; returns the
+        next logits [B, V]."""
+        return self.text(self.embed_rows(tokens[:, None], None), position_ids, cache, None, last_only=True)[:, -1]
+
     def prefill_chunk(self, rows: int) -> int:
         """Prompt tokens per forward pass for a batch of `rows`: what the plan's activation workspace holds."""
         return self.family.prefill_chunk(self.config, self.plan.workspace_bytes, rows, FORMAT_OF_DTYPE[self.dtype])
@@ -168,7 +173,7 @@ class ForwardPass:
                attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """LongTensor [B, T] -> float32 logits [B, T, vocab]; no cache is kept."""
         self.require_loaded()
-        input_ids = check_input_ids(input_ids, self.config.text.vocab_size)
+        input_ids = check_input_ids(input_ids, self.vocab_size)
         return self.forward(input_ids, images if images is not None else EncodedImages([], []),
                             attention_mask=attention_mask)
 
@@ -187,8 +192,3 @@ class ForwardPass:
         per_row = (self.family.kv_bytes(self.config, tokens, kv_format, FORMAT_OF_DTYPE[self.dtype])
                    + self.family.state_bytes(self.config))
         return max(1, self.plan.cache_bytes // per_row)
-
-    def decode_step(self, tokens: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor:
-        """One new token per row (`tokens` [B], in RAM) at `position_ids` [3, B, 1], appended to `cache`; returns the
-        next logits [B, V]."""
-        return self.text(self.embed_rows(tokens[:, None], None), position_ids, cache, None, last_only=True)[:, -1]
