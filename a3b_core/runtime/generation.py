@@ -1,4 +1,5 @@
-"""KV-cached generation: one prefill, then one token per step against a preallocated cache.
+"""KV-cached generation: one prefill, then one token per step against a preallocated cache, through a model's
+GenerationModel members only (A3BModel has them).
 
 Prompts are ChatPrompts (from A3BModel.build_prompt, which knows the thinking mode) or raw token ids (thinking mode
 unknown: no reasoning split, the text is the raw output). A batch is left-padded to its longest prompt; each row keeps
@@ -30,14 +31,14 @@ from typing import Protocol
 import torch
 
 from ..errors import CheckpointError, GenerationError, PromptError
-from ..prompting.tokenizer import StreamDecoder, Tokenizer
+from ..prompting.tokenizer import Tokenizer
 from . import devices
 from .glibc_heap import heap_kept
 from .inputs import ChatPrompt, EncodedImages, check_input_ids
 from .options import SAMPLER_FIELDS, GenerationOptions
 from .sampling import NOT_FINITE, Sampler, SamplingParams, resolve_sampling
+from .sequence_output import THINK_CLOSE, GenerationResult, SequenceOutput
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 BUDGET_CLOSE = "\n</think>\n\n"  # forced when the thinking budget runs out; the model then writes its answer
 EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
@@ -80,24 +81,6 @@ class GenerationModel(Protocol):
                 attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor: ...
 
     def decode_step(self, tokens: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor: ...
-
-
-@dataclass
-class GenerationResult:
-    text: str  # the answer (thinking mode: after </think>; non-thinking: any stray think block removed)
-    reasoning: str  # what the model wrote inside its think block ("" when there was none)
-    token_ids: list[int]  # generated tokens only, forced ones and a final end token included
-    # prompt_tokens, new_tokens, stop_reason, batch_size, ttft_s, prefill_tok_s (the tokens this call prefilled, a
-    # shared prefix's not counted), decode_tok_s (all rows of a batch), kv_cache_bytes (the call's whole cache),
-    # peak_memory_bytes with peak_memory_kind: "cuda_allocated" (this call) or "process_peak_rss" (the process so
-    # far; CPU)
-    stats: dict = field(default_factory=dict)
-    stop_reason: str = ""  # "eos" | "stop_string" | "max_new_tokens" | "cancelled"
-
-    @property
-    def full_text(self) -> str:
-        """The reasoning in a think block, then the answer; just the answer when there is no reasoning."""
-        return f"{THINK_OPEN}\n{self.reasoning}\n{THINK_CLOSE}\n\n{self.text}" if self.reasoning else self.text
 
 
 def generate(model: GenerationModel, prompt, *, max_new_tokens: int = 256, temperature: float | None = None,
@@ -269,107 +252,6 @@ def default_context(model: GenerationModel) -> int:
     return min(model.max_positions, model.max_context)
 
 
-# ------------------------------------------------------------------------------------------ outputs
-def split_reasoning(raw: str, thinking: bool | None) -> tuple[str, str]:
-    """(reasoning, answer) of a raw output. In thinking mode the template already opened the think block. Every
-    think block, and in either mode anything before an unopened "</think>", is reasoning; the rest is the answer."""
-    if thinking is None:
-        return "", raw
-    text = (THINK_OPEN if thinking else "") + raw
-    reasoning, answer, pos = [], [], 0
-    while True:
-        open_at, close_at = text.find(THINK_OPEN, pos), text.find(THINK_CLOSE, pos)
-        if close_at != -1 and (open_at == -1 or close_at < open_at):  # a close with no open
-            reasoning.append(text[pos:close_at])
-            pos = close_at + len(THINK_CLOSE)
-        elif open_at == -1:
-            answer.append(text[pos:])
-            break
-        else:
-            answer.append(text[pos:open_at])
-            start = open_at + len(THINK_OPEN)
-            close_at = text.find(THINK_CLOSE, start)
-            if close_at == -1:  # still thinking when generation ended
-                reasoning.append(text[start:])
-                break
-            reasoning.append(text[start:close_at])
-            pos = close_at + len(THINK_CLOSE)
-    return "\n\n".join(p.strip() for p in reasoning if p.strip()), "".join(answer).strip()
-
-
-class _NoText:
-    """The stream decoder of a model folder without a tokenizer: token ids are kept, no text is made."""
-    text = ""
-
-    def push(self, token_id: int) -> str:
-        return ""
-
-
-class SequenceOutput:
-    """One sequence's output as tokens arrive: its text so far (UTF-8 safe), thinking state, forced tokens, stop."""
-
-    def __init__(self, tokenizer: Tokenizer | None, thinking: bool | None, stop: tuple[str, ...] = (),
-                 thinking_budget: int | None = None, think_close_id: int | None = None,
-                 budget_close: Sequence[int] = ()):
-        self.thinking = thinking
-        self.decoder = StreamDecoder(tokenizer, skip_special_tokens=True) if tokenizer else _NoText()
-        self.prefix = THINK_OPEN + "\n" if thinking else ""
-        self.tokens: list[int] = []
-        self.stops = stop
-        self.budget = thinking_budget if thinking else None
-        self.think_close_id = think_close_id
-        self.budget_close = list(budget_close)
-        self.forced: list[int] = []
-        self.reasoning_open = bool(thinking)
-        self.reasoning_tokens = 0
-        self.answer_from = None if self.reasoning_open else 0  # where stop strings are searched from
-        self.searched = 0
-        self.stop_at: int | None = None
-        self.stop_reason: str | None = None
-
-    def choose(self, sampled: int) -> int:
-        """The token to append: the sampled one, or the next of a forced think-block close."""
-        if self.reasoning_open and self.budget is not None and self.reasoning_tokens >= self.budget \
-                and not self.forced:
-            self.forced = list(self.budget_close)
-            self.budget = None
-        if self.forced:
-            return self.forced.pop(0)
-        if self.reasoning_open:
-            self.reasoning_tokens += 1
-        return sampled
-
-    def add(self, token: int, eos_ids: frozenset[int]) -> bool:
-        """Appends a token; returns whether the visible text grew."""
-        self.tokens.append(token)
-        if token in eos_ids:
-            self.stop_reason = "eos"
-            return False
-        grew = bool(self.decoder.push(token))
-        text = self.decoder.text
-        if self.reasoning_open and token == self.think_close_id:
-            self.reasoning_open = False
-            self.answer_from = text.rfind(THINK_CLOSE) + len(THINK_CLOSE)
-        if self.stops and self.answer_from is not None and grew:
-            start = max(self.answer_from, self.searched - max(map(len, self.stops)) + 1)
-            hits = [i for i in (text.find(s, start) for s in self.stops) if i != -1]
-            self.searched = len(text)
-            if hits:
-                self.stop_at, self.stop_reason = min(hits), "stop_string"
-        return grew
-
-    @property
-    def live_text(self) -> str:
-        return self.prefix + self.decoder.text
-
-    def result(self, stats: dict) -> GenerationResult:
-        raw = self.decoder.text if self.stop_at is None else self.decoder.text[:self.stop_at]
-        reasoning, text = split_reasoning(raw, self.thinking)
-        reason = self.stop_reason or "max_new_tokens"
-        return GenerationResult(text, reasoning, self.tokens, stats | {"new_tokens": len(self.tokens),
-                                                                        "stop_reason": reason}, reason)
-
-
 # --------------------------------------------------------------------------------------------- the loop
 def _run(model: GenerationModel, prompts: list, options: GenerationOptions,
          on_text: Callable[[int, str], None] | None, should_stop: Callable[[], bool] | None,
@@ -377,24 +259,24 @@ def _run(model: GenerationModel, prompts: list, options: GenerationOptions,
     model.require_loaded()
     where = (lambda i: "the prompt") if len(prompts) == 1 else (lambda i: f"prompt {i}")
     requests = [_request(model, p, where(i)) for i, p in enumerate(prompts)]
-    opts = _settings(model, requests, options)
+    settings = _settings(model, requests, options)
     if shared_prefix is not None:
-        _check_prefix(model, shared_prefix, requests, opts.kv_dtype)
+        _check_prefix(model, shared_prefix, requests, settings.kv_dtype)
     # raw token ids can be generated without a tokenizer (token ids only, no text): benchmarks, bare checkpoints
-    ids_only = model.tokenizer is None and not opts.stop and all(r.thinking is None for r in requests)
+    ids_only = model.tokenizer is None and not settings.stop and all(r.thinking is None for r in requests)
     tokenizer = None if ids_only else model.require_tokenizer()
     thinking = any(r.thinking for r in requests)
     think_close_id = tokenizer.token_id(THINK_CLOSE) if thinking else None
     budget_close = tokenizer.encode(BUDGET_CLOSE) if thinking else []
     eos_ids = model.eos_token_ids | {
         i for i in map(tokenizer.maybe_token_id, EOS_TOKENS) if i is not None} if tokenizer else model.eos_token_ids
-    rows = [SequenceOutput(tokenizer, r.thinking, opts.stop, opts.thinking_budget, think_close_id, budget_close)
+    rows = [SequenceOutput(tokenizer, r.thinking, settings.stop, settings.thinking_budget, think_close_id, budget_close)
             for r in requests]
     batch_stats = {}
     with torch.inference_mode(), heap_kept():
-        for batch in _batches(model, requests, opts):
+        for batch in _batches(model, requests, settings):
             stream = None if on_text is None else (lambda i, text, batch=batch: on_text(batch[i], text))
-            stats = _decode(model, [requests[i] for i in batch], [rows[i] for i in batch], opts, eos_ids, stream,
+            stats = _decode(model, [requests[i] for i in batch], [rows[i] for i in batch], settings, eos_ids, stream,
                             should_stop or (lambda: False), shared_prefix)
             batch_stats.update(dict.fromkeys(batch, stats))
     results = []
@@ -406,14 +288,14 @@ def _run(model: GenerationModel, prompts: list, options: GenerationOptions,
     return results
 
 
-def _batches(model: GenerationModel, requests: list[_Request], opts: _Settings) -> list[list[int]]:
+def _batches(model: GenerationModel, requests: list[_Request], settings: _Settings) -> list[list[int]]:
     """The prompts split into consecutive batches whose generation cache fits in what the plan holds for one
     sequence at its full context, so a batch never outgrows it."""
-    size = model.rows_per_cache(max(len(r.ids) for r in requests) + opts.max_new_tokens, opts.kv_dtype)
+    size = model.rows_per_cache(max(len(r.ids) for r in requests) + settings.max_new_tokens, settings.kv_dtype)
     return [list(range(start, min(start + size, len(requests)))) for start in range(0, len(requests), size)]
 
 
-def _decode(model: GenerationModel, requests: list[_Request], rows: list[SequenceOutput], opts: _Settings,
+def _decode(model: GenerationModel, requests: list[_Request], rows: list[SequenceOutput], settings: _Settings,
             eos_ids: frozenset[int], on_text: Callable[[int, str], None] | None,
             should_stop: Callable[[], bool], prefix: SharedPrefix | None) -> dict:
     device = model.device
@@ -429,8 +311,8 @@ def _decode(model: GenerationModel, requests: list[_Request], rows: list[Sequenc
         mask[b, width - lengths[b]:] = 1
     images = _images_of(requests)
     mask = mask if min(lengths) < width else None
-    cache = model.new_cache(len(requests), width + opts.max_new_tokens, opts.kv_dtype)
-    sampler = Sampler(opts.sampling, [r.ids for r in requests], model.vocab_size, device, opts.seed)
+    cache = model.new_cache(len(requests), width + settings.max_new_tokens, settings.kv_dtype)
+    sampler = Sampler(settings.sampling, [r.ids for r in requests], model.vocab_size, device, settings.seed)
     stats = {"batch_size": len(requests), "kv_cache_bytes": cache.nbytes, "ttft_s": 0.0, "prefill_tok_s": 0.0,
              "decode_tok_s": 0.0}
     if should_stop():
@@ -447,7 +329,7 @@ def _decode(model: GenerationModel, requests: list[_Request], rows: list[Sequenc
         logits = _prefill_after_prefix(model, prefix, requests, cache, position_ids, width)
     active = list(range(len(rows)))  # rows still in the batch, in batch order
     decoded = 0
-    for step in range(opts.max_new_tokens):
+    for step in range(settings.max_new_tokens):
         sampled = sampler(logits)  # the step's one copy to the CPU: ids, or NOT_FINITE for a broken row
         if NOT_FINITE in sampled:
             raise _non_finite_scores(model)
@@ -465,7 +347,7 @@ def _decode(model: GenerationModel, requests: list[_Request], rows: list[Sequenc
             for r in active:
                 rows[r].stop_reason = rows[r].stop_reason or "cancelled"
         keep = [i for i, r in enumerate(active) if rows[r].stop_reason is None]
-        if not keep or step == opts.max_new_tokens - 1:
+        if not keep or step == settings.max_new_tokens - 1:
             break
         if len(keep) < len(active):  # finished rows leave the batch
             kept = torch.tensor(keep, device=device)

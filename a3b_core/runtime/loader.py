@@ -23,10 +23,11 @@ from ..release.safetensors import Checkpoint
 from ..release.weights import Progress, find_prefix, load_module
 from . import cpu_swaps as backends, devices
 from .forward import ForwardPass
-from .generation import GenerationResult, SharedPrefix, generate, generate_batch, prefill_prefix
+from .generation import SharedPrefix, generate, generate_batch, prefill_prefix
 from .inputs import ChatPrompt, EncodedImages, ImageSource
 from .options import BUILT_IN_TEMPLATE, CHAT_TEMPLATES, COMPUTE_DTYPES, FORMAT_OF_DTYPE
 from .placement import Plan, make_plan
+from .sequence_output import GenerationResult
 
 EXPERT_CACHE_VERSION = 2  # 2: int4 in experts.quantize_int4's own layout
 VIDEO_GROUPS_PER_PASS = 8  # frame groups through the vision tower at once: bounds its memory for long clips
