@@ -66,13 +66,13 @@ class GenerationModel(Protocol):
 
     def require_tokenizer(self) -> Tokenizer: ...
 
-    def cache_format(self, kv_dtype: str | None) -> str: ...
+    def cache_format(self, kv_dtype: str | None) -> str: ...  # the format a call's kv_dtype means
 
-    def rows_per_cache(self, tokens: int, kv_format: str) -> int: ...
+    def rows_per_cache(self, tokens: int, kv_format: str) -> int: ...  # sequences that fit the plan's cache
 
     def new_cache(self, batch: int, max_len: int, kv_dtype: str | None = None): ...
 
-    def vision_pads(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def vision_pads(self, input_ids: torch.Tensor) -> torch.Tensor: ...  # where image and video pads are
 
     def positions(self, input_ids: torch.Tensor, images: EncodedImages | None,
                   attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]: ...
@@ -198,7 +198,7 @@ class _Settings:
     seed: int
     stop: tuple[str, ...]
     thinking_budget: int | None
-    kv_dtype: str
+    kv_format: str  # as ForwardPass.cache_format names it: "auto" resolved
     max_context: int
 
 
@@ -209,6 +209,7 @@ def _whole(name: str, value, minimum: int, fix: str) -> int:
 
 
 def _settings(model: GenerationModel, requests: list[_Request], options: GenerationOptions) -> _Settings:
+    """`options` checked against the model and the prompts, the sampler values resolved for their thinking mode."""
     max_new_tokens = _whole("max_new_tokens", options.max_new_tokens, 1, "Ask for at least one new token.")
     seed, stop = options.seed, options.stop
     if isinstance(seed, bool) or not isinstance(seed, Integral):
@@ -261,7 +262,7 @@ def _run(model: GenerationModel, prompts: list, options: GenerationOptions,
     requests = [_request(model, p, where(i)) for i, p in enumerate(prompts)]
     settings = _settings(model, requests, options)
     if shared_prefix is not None:
-        _check_prefix(model, shared_prefix, requests, settings.kv_dtype)
+        _check_prefix(model, shared_prefix, requests, settings.kv_format)
     # raw token ids can be generated without a tokenizer (token ids only, no text): benchmarks, bare checkpoints
     ids_only = model.tokenizer is None and not settings.stop and all(r.thinking is None for r in requests)
     tokenizer = None if ids_only else model.require_tokenizer()
@@ -291,7 +292,7 @@ def _run(model: GenerationModel, prompts: list, options: GenerationOptions,
 def _batches(model: GenerationModel, requests: list[_Request], settings: _Settings) -> list[list[int]]:
     """The prompts split into consecutive batches whose generation cache fits in what the plan holds for one
     sequence at its full context, so a batch never outgrows it."""
-    size = model.rows_per_cache(max(len(r.ids) for r in requests) + settings.max_new_tokens, settings.kv_dtype)
+    size = model.rows_per_cache(max(len(r.ids) for r in requests) + settings.max_new_tokens, settings.kv_format)
     return [list(range(start, min(start + size, len(requests)))) for start in range(0, len(requests), size)]
 
 
@@ -311,7 +312,7 @@ def _decode(model: GenerationModel, requests: list[_Request], rows: list[Sequenc
         mask[b, width - lengths[b]:] = 1
     images = _images_of(requests)
     mask = mask if min(lengths) < width else None
-    cache = model.new_cache(len(requests), width + settings.max_new_tokens, settings.kv_dtype)
+    cache = model.new_cache(len(requests), width + settings.max_new_tokens, settings.kv_format)
     sampler = Sampler(settings.sampling, [r.ids for r in requests], model.vocab_size, device, settings.seed)
     stats = {"batch_size": len(requests), "kv_cache_bytes": cache.nbytes, "ttft_s": 0.0, "prefill_tok_s": 0.0,
              "decode_tok_s": 0.0}
