@@ -3,7 +3,7 @@ from .errors import (A3BError, CheckpointError, ConfigError, GenerationError, Im
                      PlacementError, PromptError, RemoteError, VideoError)
 from .media.image import load_image, resize_image, split_batch
 from .prompting.conversation import IMAGE_MARKER, VIDEO_MARKER, Turn
-from .runtime.generation import GenerationResult, split_reasoning
+from .runtime.sequence_output import GenerationResult, split_reasoning
 from .runtime.loader import A3BModel, ChatPrompt, EncodedImages, load_model
 
 __all__ = ["A3BModel", "GenerationResult", "ChatPrompt", "EncodedImages", "load_model", "Turn", "A3BError",

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from a3b_core.runtime.generation import GenerationResult
+from a3b_core.runtime.sequence_output import GenerationResult
 
 
 def generate_answers(engine: Any, prompts: list[Any], *, thinking_budget: int, on_text: Callable[[int, str], None],

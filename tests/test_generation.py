@@ -7,7 +7,8 @@ from a3b_core import ChatPrompt, EncodedImages, GenerationError, PromptError, lo
 from a3b_core.models.qwen3_5.cache import Cache
 from a3b_core.models.qwen3_5.sizes import deltanet_state_bytes, kv_bytes
 from a3b_core.prompting.conversation import Prompt
-from a3b_core.runtime.generation import BUDGET_CLOSE, SequenceOutput, generate, generate_batch, split_reasoning
+from a3b_core.runtime.generation import BUDGET_CLOSE, GenerationModel, generate, generate_batch, prefill_prefix
+from a3b_core.runtime.sequence_output import SequenceOutput, split_reasoning
 
 INT8_LOGIT_TOLERANCE = 0.02  # max |logit difference| / std(logits) vs the fp32 cache
 
@@ -51,6 +52,29 @@ def test_greedy_with_an_image_equals_transformers(models, fixtures, name):
     model, refs = models[name], fixtures.refs(getattr(fixtures, name))
     result = generate(model, image_prompt(model, refs), max_new_tokens=GEN_TOKENS, temperature=0)
     assert result.token_ids == refs["gen_image.output_ids"][0].tolist()
+
+
+class GenerationMembersOnly:
+    """A loaded model seen through GenerationModel's members alone: generation may reach nothing else."""
+    members = frozenset(GenerationModel.__annotations__) | {n for n in vars(GenerationModel) if not n.startswith("_")}
+
+    def __init__(self, model):
+        self.model = model
+
+    def __getattr__(self, name: str):
+        if name not in self.members:
+            raise AttributeError(f"generation used {name!r}, which GenerationModel does not name")
+        return getattr(self.model, name)
+
+
+def test_generation_needs_only_the_generation_model_members(model, fixtures):
+    refs = fixtures.refs(fixtures.moe_hf)
+    prompt, narrow = image_prompt(model, refs), GenerationMembersOnly(model)
+    expected = refs["gen_image.output_ids"][0].tolist()
+    assert generate(narrow, prompt, max_new_tokens=GEN_TOKENS, temperature=0).token_ids == expected
+    prefix = prefill_prefix(narrow, model.text_before_images(prompt))
+    results = generate_batch(narrow, [prompt, prompt], max_new_tokens=GEN_TOKENS, temperature=0, shared_prefix=prefix)
+    assert [r.token_ids for r in results] == [expected, expected]
 
 
 def test_ragged_batch_equals_single_runs(model, fixtures):

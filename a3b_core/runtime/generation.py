@@ -1,4 +1,5 @@
-"""KV-cached generation: one prefill, then one token per step against a preallocated cache.
+"""KV-cached generation: one prefill, then one token per step against a preallocated cache, through a model's
+GenerationModel members only (A3BModel has them).
 
 Prompts are ChatPrompts (from A3BModel.build_prompt, which knows the thinking mode) or raw token ids (thinking mode
 unknown: no reasoning split, the text is the raw output). A batch is left-padded to its longest prompt; each row keeps
@@ -24,46 +25,65 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from numbers import Integral
-
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from ..errors import CheckpointError, GenerationError, PromptError
-from ..formats.table import FORMAT_OF_DTYPE, checked_kv_format
-from ..prompting.tokenizer import StreamDecoder, Tokenizer
+from ..prompting.tokenizer import Tokenizer
 from . import devices
 from .glibc_heap import heap_kept
 from .inputs import ChatPrompt, EncodedImages, check_input_ids
+from .options import SAMPLER_FIELDS, GenerationOptions
 from .sampling import NOT_FINITE, Sampler, SamplingParams, resolve_sampling
+from .sequence_output import THINK_CLOSE, GenerationResult, SequenceOutput
 
-if TYPE_CHECKING:  # the engine calls generation; generation only needs the model's type for annotations
-    from .loader import A3BModel
-
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 BUDGET_CLOSE = "\n</think>\n\n"  # forced when the thinking budget runs out; the model then writes its answer
 EOS_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 
-@dataclass
-class GenerationResult:
-    text: str  # the answer (thinking mode: after </think>; non-thinking: any stray think block removed)
-    reasoning: str  # what the model wrote inside its think block ("" when there was none)
-    token_ids: list[int]  # generated tokens only, forced ones and a final end token included
-    # prompt_tokens, new_tokens, stop_reason, batch_size, ttft_s, prefill_tok_s (the tokens this call prefilled, a
-    # shared prefix's not counted), decode_tok_s (all rows of a batch), kv_cache_bytes (the call's whole cache),
-    # peak_memory_bytes with peak_memory_kind: "cuda_allocated" (this call) or "process_peak_rss" (the process so
-    # far; CPU)
-    stats: dict = field(default_factory=dict)
-    stop_reason: str = ""  # "eos" | "stop_string" | "max_new_tokens" | "cancelled"
+class GenerationModel(Protocol):
+    """What generation uses of a loaded model: A3BModel is one (its ForwardPass drives the text model)."""
+    folder: Path  # named in errors
+    tokenizer: Tokenizer | None  # None: raw token ids give token ids only, no text
+    device: torch.device  # where the cache and the logits live
+    dtype: torch.dtype  # the compute dtype
 
     @property
-    def full_text(self) -> str:
-        """The reasoning in a think block, then the answer; just the answer when there is no reasoning."""
-        return f"{THINK_OPEN}\n{self.reasoning}\n{THINK_CLOSE}\n\n{self.text}" if self.reasoning else self.text
+    def max_context(self) -> int: ...  # the longest sequence the memory plan holds a cache for
+
+    @property
+    def max_positions(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int: ...
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    def require_loaded(self) -> None: ...
+
+    def require_tokenizer(self) -> Tokenizer: ...
+
+    def cache_format(self, kv_dtype: str | None) -> str: ...  # the format a call's kv_dtype means
+
+    def rows_per_cache(self, tokens: int, kv_format: str) -> int: ...  # sequences that fit the plan's cache
+
+    def new_cache(self, batch: int, max_len: int, kv_dtype: str | None = None): ...
+
+    def vision_pads(self, input_ids: torch.Tensor) -> torch.Tensor: ...  # where image and video pads are
+
+    def positions(self, input_ids: torch.Tensor, images: EncodedImages | None,
+                  attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]: ...
+
+    def prefill(self, input_ids: torch.Tensor, images: EncodedImages | None, cache,
+                attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> torch.Tensor: ...
+
+    def decode_step(self, tokens: torch.Tensor, position_ids: torch.Tensor, cache) -> torch.Tensor: ...
 
 
-def generate(model: A3BModel, prompt, *, max_new_tokens: int = 256, temperature: float | None = None,
+def generate(model: GenerationModel, prompt, *, max_new_tokens: int = 256, temperature: float | None = None,
              top_p: float | None = None, top_k: int | None = None, min_p: float | None = None,
              presence_penalty: float | None = None, repetition_penalty: float | None = None, seed: int = 0,
              stop: str | Sequence[str] = (), thinking_budget: int | None = None, kv_dtype: str | None = None,
@@ -73,14 +93,15 @@ def generate(model: A3BModel, prompt, *, max_new_tokens: int = 256, temperature:
     (see sampling.QWEN_RECOMMENDED); temperature 0 is greedy. `thinking_budget` caps the reasoning tokens, then
     forces "</think>" so the model answers. `stop` strings end the answer (they are matched in the answer only and
     left out of it). kv_dtype int8 quantises the attention cache (see cache.py for its error bound)."""
+    options = GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                min_p=min_p, presence_penalty=presence_penalty,
+                                repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                                thinking_budget=thinking_budget, kv_dtype=kv_dtype, max_context=max_context)
     stream = (lambda _index, text: on_text(text)) if on_text is not None else None
-    return _run(model, [prompt], max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                min_p=min_p, presence_penalty=presence_penalty, repetition_penalty=repetition_penalty, seed=seed,
-                stop=stop, thinking_budget=thinking_budget, kv_dtype=kv_dtype, max_context=max_context,
-                on_text=stream, should_stop=should_stop)[0]
+    return _run(model, [prompt], options, stream, should_stop)[0]
 
 
-def generate_batch(model: A3BModel, prompts: Sequence, *, max_new_tokens: int = 256,
+def generate_batch(model: GenerationModel, prompts: Sequence, *, max_new_tokens: int = 256,
                    temperature: float | None = None, top_p: float | None = None, top_k: int | None = None,
                    min_p: float | None = None, presence_penalty: float | None = None,
                    repetition_penalty: float | None = None, seed: int = 0, stop: str | Sequence[str] = (),
@@ -93,33 +114,33 @@ def generate_batch(model: A3BModel, prompts: Sequence, *, max_new_tokens: int = 
     if isinstance(prompts, (str, ChatPrompt, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
         raise PromptError("prompts must be a non-empty list of prompts (ChatPrompts from model.build_prompt, or "
                           f"token-id lists); got {type(prompts).__name__}.")
-    return _run(model, list(prompts), max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                top_k=top_k, min_p=min_p, presence_penalty=presence_penalty,
-                repetition_penalty=repetition_penalty, seed=seed, stop=stop, thinking_budget=thinking_budget,
-                kv_dtype=kv_dtype, max_context=max_context, on_text=on_text, should_stop=should_stop,
-                shared_prefix=shared_prefix)
+    options = GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+                                min_p=min_p, presence_penalty=presence_penalty,
+                                repetition_penalty=repetition_penalty, seed=seed, stop=stop,
+                                thinking_budget=thinking_budget, kv_dtype=kv_dtype, max_context=max_context)
+    return _run(model, list(prompts), options, on_text, should_stop, shared_prefix)
 
 
 @dataclass(eq=False)
 class SharedPrefix:
     """Tokens that prompts start with, prefilled once: their cache (one row) for generate_batch to start from."""
-    model: A3BModel = field(repr=False)
+    model: GenerationModel = field(repr=False)
     ids: tuple[int, ...]
     cache: object = field(repr=False)  # the model family's generation cache, holding exactly these tokens
     kv_format: str
 
 
-def prefill_prefix(model: A3BModel, ids: Sequence[int], kv_dtype: str | None = None) -> SharedPrefix:
+def prefill_prefix(model: GenerationModel, ids: Sequence[int], kv_dtype: str | None = None) -> SharedPrefix:
     """Prefills `ids`, text that comes before any image (one row), for prompts that start with them. `kv_dtype` is
     the cache format of the calls that will use it (None: the plan's)."""
     model.require_loaded()
-    tokens = check_input_ids(list(ids), model.config.text.vocab_size)
+    tokens = check_input_ids(list(ids), model.vocab_size)
     if tokens.shape[0] != 1:
         raise PromptError("the shared prefix must be one sequence of token ids; pass a 1-D list.")
     if bool(model.vision_pads(tokens).any()):
         raise PromptError("the shared prefix holds image or video pad tokens; it must end before the prompts' first "
                           "image or clip (pass the tokens before it: model.text_before_images(prompt)).")
-    kv_format = _kv_format(model, kv_dtype)
+    kv_format = model.cache_format(kv_dtype)
     with torch.inference_mode():
         cache = model.new_cache(1, tokens.shape[1], kv_format)
         position_ids, _ = model.positions(tokens, None)
@@ -127,7 +148,7 @@ def prefill_prefix(model: A3BModel, ids: Sequence[int], kv_dtype: str | None = N
     return SharedPrefix(model, tuple(tokens[0].tolist()), cache, kv_format)
 
 
-def _check_prefix(model: A3BModel, prefix: SharedPrefix, requests: list[_Request], kv_format: str) -> None:
+def _check_prefix(model: GenerationModel, prefix: SharedPrefix, requests: list[_Request], kv_format: str) -> None:
     if not isinstance(prefix, SharedPrefix) or prefix.model is not model:
         raise GenerationError("shared_prefix must come from prefill_prefix with this same model; build it again "
                               "with model.prefill_prefix(...) of the model that generates.")
@@ -149,18 +170,18 @@ class _Request:
     thinking: bool | None  # None: raw token ids
 
 
-def _request(model: A3BModel, prompt, where: str) -> _Request:
+def _request(model: GenerationModel, prompt, where: str) -> _Request:
     if isinstance(prompt, ChatPrompt):
         if not prompt.input_ids:
             raise PromptError(f"{where} has no tokens; build it with model.build_prompt and a non-empty user text.")
-        check_input_ids(prompt.input_ids, model.config.text.vocab_size)  # built with another model's tokenizer?
+        check_input_ids(prompt.input_ids, model.vocab_size)  # built with another model's tokenizer?
         return _Request(list(prompt.input_ids), prompt.images if len(prompt.images) else None,
                         prompt.prompt.thinking)
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, torch.Tensor)):
         raise PromptError(f"{where} is a {type(prompt).__name__}; pass a ChatPrompt (model.build_prompt) or a 1-D "
                           "list/tensor of token ids.")
     try:
-        ids = check_input_ids(prompt, model.config.text.vocab_size)
+        ids = check_input_ids(prompt, model.vocab_size)
     except PromptError as exc:
         raise PromptError(f"{where}: {exc}") from None
     if ids.shape[0] != 1:
@@ -170,13 +191,14 @@ def _request(model: A3BModel, prompt, where: str) -> _Request:
 
 
 @dataclass(frozen=True)
-class _Options:
+class _Settings:
+    """A call's options, checked and resolved for its prompts and model."""
     max_new_tokens: int
     sampling: SamplingParams
     seed: int
     stop: tuple[str, ...]
     thinking_budget: int | None
-    kv_dtype: str
+    kv_format: str  # as ForwardPass.cache_format names it: "auto" resolved
     max_context: int
 
 
@@ -186,20 +208,21 @@ def _whole(name: str, value, minimum: int, fix: str) -> int:
     return int(value)
 
 
-def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed, stop, thinking_budget, kv_dtype,
-             max_context, **sampler_values) -> _Options:
-    max_new_tokens = _whole("max_new_tokens", max_new_tokens, 1, "Ask for at least one new token.")
+def _settings(model: GenerationModel, requests: list[_Request], options: GenerationOptions) -> _Settings:
+    """`options` checked against the model and the prompts, the sampler values resolved for their thinking mode."""
+    max_new_tokens = _whole("max_new_tokens", options.max_new_tokens, 1, "Ask for at least one new token.")
+    seed, stop = options.seed, options.stop
     if isinstance(seed, bool) or not isinstance(seed, Integral):
         raise GenerationError(f"seed is {seed!r}; expected a whole number. Pass an integer such as 0.")
     stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
     if not all(isinstance(s, str) for s in stops):
         raise GenerationError(f"stop is {stop!r}; expected a string or a list of strings. Pass the stop texts as "
                               "strings.")
+    thinking_budget = options.thinking_budget
     if thinking_budget is not None:
         thinking_budget = _whole("thinking_budget", thinking_budget, 0, "Use None for no limit.")
-    positions = model.config.text.max_position_embeddings
-    if max_context is None:
-        max_context = default_context(model)
+    positions = model.max_positions
+    max_context = options.max_context if options.max_context is not None else default_context(model)
     max_context = _whole("max_context", max_context, 1, "Use None for the default.")
     if max_context > positions:
         raise GenerationError(f"max_context is {max_context} but the model supports {positions} positions "
@@ -215,157 +238,46 @@ def _options(model: A3BModel, requests: list[_Request], *, max_new_tokens, seed,
                               f"exceeds max_context={max_context}. Shorten the prompt (fewer or smaller images), "
                               "lower max_new_tokens, or raise max_context.")
     modes = {r.thinking for r in requests}
+    sampler_values = {name: getattr(options, name) for name in SAMPLER_FIELDS}
     if len(modes) > 1 and any(v is None for v in sampler_values.values()):
         raise GenerationError("the prompts mix thinking modes, whose default sampler settings differ; generate "
                               "them in separate batches or set every sampler value explicitly.")
     sampling = resolve_sampling(modes.pop(), **sampler_values)
-    return _Options(max_new_tokens, sampling, int(seed) % 2 ** 64, tuple(s for s in stops if s), thinking_budget,
-                    _kv_format(model, kv_dtype), max_context)
+    return _Settings(max_new_tokens, sampling, int(seed) % 2 ** 64, tuple(s for s in stops if s), thinking_budget,
+                     model.cache_format(options.kv_dtype), max_context)
 
 
-def default_context(model: A3BModel) -> int:
+def default_context(model: GenerationModel) -> int:
     """The context a call gets without max_context: what the loader's plan sized memory for, within the model's
     positions."""
-    return min(model.config.text.max_position_embeddings, model.max_context)
-
-
-def _kv_format(model: A3BModel, kv_dtype: str | None) -> str:
-    """The cache format a call uses: the one asked for, else the plan's; "auto" named as the compute format."""
-    kv = checked_kv_format(kv_dtype if kv_dtype is not None else model.kv_dtype)
-    return FORMAT_OF_DTYPE[model.dtype] if kv == "auto" else kv
-
-
-# ------------------------------------------------------------------------------------------ outputs
-def split_reasoning(raw: str, thinking: bool | None) -> tuple[str, str]:
-    """(reasoning, answer) of a raw output. In thinking mode the template already opened the think block. Every
-    think block, and in either mode anything before an unopened "</think>", is reasoning; the rest is the answer."""
-    if thinking is None:
-        return "", raw
-    text = (THINK_OPEN if thinking else "") + raw
-    reasoning, answer, pos = [], [], 0
-    while True:
-        open_at, close_at = text.find(THINK_OPEN, pos), text.find(THINK_CLOSE, pos)
-        if close_at != -1 and (open_at == -1 or close_at < open_at):  # a close with no open
-            reasoning.append(text[pos:close_at])
-            pos = close_at + len(THINK_CLOSE)
-        elif open_at == -1:
-            answer.append(text[pos:])
-            break
-        else:
-            answer.append(text[pos:open_at])
-            start = open_at + len(THINK_OPEN)
-            close_at = text.find(THINK_CLOSE, start)
-            if close_at == -1:  # still thinking when generation ended
-                reasoning.append(text[start:])
-                break
-            reasoning.append(text[start:close_at])
-            pos = close_at + len(THINK_CLOSE)
-    return "\n\n".join(p.strip() for p in reasoning if p.strip()), "".join(answer).strip()
-
-
-class _NoText:
-    """The stream decoder of a model folder without a tokenizer: token ids are kept, no text is made."""
-    text = ""
-
-    def push(self, token_id: int) -> str:
-        return ""
-
-
-class SequenceOutput:
-    """One sequence's output as tokens arrive: its text so far (UTF-8 safe), thinking state, forced tokens, stop."""
-
-    def __init__(self, tokenizer: Tokenizer | None, thinking: bool | None, stop: tuple[str, ...] = (),
-                 thinking_budget: int | None = None, think_close_id: int | None = None,
-                 budget_close: Sequence[int] = ()):
-        self.thinking = thinking
-        self.decoder = StreamDecoder(tokenizer, skip_special_tokens=True) if tokenizer else _NoText()
-        self.prefix = THINK_OPEN + "\n" if thinking else ""
-        self.tokens: list[int] = []
-        self.stops = stop
-        self.budget = thinking_budget if thinking else None
-        self.think_close_id = think_close_id
-        self.budget_close = list(budget_close)
-        self.forced: list[int] = []
-        self.reasoning_open = bool(thinking)
-        self.reasoning_tokens = 0
-        self.answer_from = None if self.reasoning_open else 0  # where stop strings are searched from
-        self.searched = 0
-        self.stop_at: int | None = None
-        self.stop_reason: str | None = None
-
-    def choose(self, sampled: int) -> int:
-        """The token to append: the sampled one, or the next of a forced think-block close."""
-        if self.reasoning_open and self.budget is not None and self.reasoning_tokens >= self.budget \
-                and not self.forced:
-            self.forced = list(self.budget_close)
-            self.budget = None
-        if self.forced:
-            return self.forced.pop(0)
-        if self.reasoning_open:
-            self.reasoning_tokens += 1
-        return sampled
-
-    def add(self, token: int, eos_ids: frozenset[int]) -> bool:
-        """Appends a token; returns whether the visible text grew."""
-        self.tokens.append(token)
-        if token in eos_ids:
-            self.stop_reason = "eos"
-            return False
-        grew = bool(self.decoder.push(token))
-        text = self.decoder.text
-        if self.reasoning_open and token == self.think_close_id:
-            self.reasoning_open = False
-            self.answer_from = text.rfind(THINK_CLOSE) + len(THINK_CLOSE)
-        if self.stops and self.answer_from is not None and grew:
-            start = max(self.answer_from, self.searched - max(map(len, self.stops)) + 1)
-            hits = [i for i in (text.find(s, start) for s in self.stops) if i != -1]
-            self.searched = len(text)
-            if hits:
-                self.stop_at, self.stop_reason = min(hits), "stop_string"
-        return grew
-
-    @property
-    def live_text(self) -> str:
-        return self.prefix + self.decoder.text
-
-    def result(self, stats: dict) -> GenerationResult:
-        raw = self.decoder.text if self.stop_at is None else self.decoder.text[:self.stop_at]
-        reasoning, text = split_reasoning(raw, self.thinking)
-        reason = self.stop_reason or "max_new_tokens"
-        return GenerationResult(text, reasoning, self.tokens, stats | {"new_tokens": len(self.tokens),
-                                                                        "stop_reason": reason}, reason)
+    return min(model.max_positions, model.max_context)
 
 
 # --------------------------------------------------------------------------------------------- the loop
-def _run(model: A3BModel, prompts: list, *, max_new_tokens, temperature, top_p, top_k, min_p, presence_penalty,
-         repetition_penalty, seed, stop, thinking_budget, kv_dtype, max_context,
+def _run(model: GenerationModel, prompts: list, options: GenerationOptions,
          on_text: Callable[[int, str], None] | None, should_stop: Callable[[], bool] | None,
          shared_prefix: SharedPrefix | None = None) -> list[GenerationResult]:
     model.require_loaded()
     where = (lambda i: "the prompt") if len(prompts) == 1 else (lambda i: f"prompt {i}")
     requests = [_request(model, p, where(i)) for i, p in enumerate(prompts)]
-    opts = _options(model, requests, max_new_tokens=max_new_tokens, seed=seed, stop=stop,
-                    thinking_budget=thinking_budget, kv_dtype=kv_dtype, max_context=max_context,
-                    temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
-                    presence_penalty=presence_penalty, repetition_penalty=repetition_penalty)
+    settings = _settings(model, requests, options)
     if shared_prefix is not None:
-        _check_prefix(model, shared_prefix, requests, opts.kv_dtype)
+        _check_prefix(model, shared_prefix, requests, settings.kv_format)
     # raw token ids can be generated without a tokenizer (token ids only, no text): benchmarks, bare checkpoints
-    ids_only = model.tokenizer is None and not opts.stop and all(r.thinking is None for r in requests)
+    ids_only = model.tokenizer is None and not settings.stop and all(r.thinking is None for r in requests)
     tokenizer = None if ids_only else model.require_tokenizer()
     thinking = any(r.thinking for r in requests)
     think_close_id = tokenizer.token_id(THINK_CLOSE) if thinking else None
     budget_close = tokenizer.encode(BUDGET_CLOSE) if thinking else []
-    eos_ids = frozenset(model.config.text.eos_token_ids) | {
-        i for i in map(tokenizer.maybe_token_id, EOS_TOKENS) if i is not None} if tokenizer else frozenset(
-        model.config.text.eos_token_ids)
-    rows = [SequenceOutput(tokenizer, r.thinking, opts.stop, opts.thinking_budget, think_close_id, budget_close)
+    eos_ids = model.eos_token_ids | {
+        i for i in map(tokenizer.maybe_token_id, EOS_TOKENS) if i is not None} if tokenizer else model.eos_token_ids
+    rows = [SequenceOutput(tokenizer, r.thinking, settings.stop, settings.thinking_budget, think_close_id, budget_close)
             for r in requests]
     batch_stats = {}
     with torch.inference_mode(), heap_kept():
-        for batch in _batches(model, requests, opts):
+        for batch in _batches(model, requests, settings):
             stream = None if on_text is None else (lambda i, text, batch=batch: on_text(batch[i], text))
-            stats = _decode(model, [requests[i] for i in batch], [rows[i] for i in batch], opts, eos_ids, stream,
+            stats = _decode(model, [requests[i] for i in batch], [rows[i] for i in batch], settings, eos_ids, stream,
                             should_stop or (lambda: False), shared_prefix)
             batch_stats.update(dict.fromkeys(batch, stats))
     results = []
@@ -377,20 +289,17 @@ def _run(model: A3BModel, prompts: list, *, max_new_tokens, temperature, top_p, 
     return results
 
 
-def _batches(model: A3BModel, requests: list[_Request], opts: _Options) -> list[list[int]]:
+def _batches(model: GenerationModel, requests: list[_Request], settings: _Settings) -> list[list[int]]:
     """The prompts split into consecutive batches whose generation cache fits in what the plan holds for one
-    sequence at its full context (per row, keys and values and any recurrent state), so a batch never outgrows it."""
-    tokens = max(len(r.ids) for r in requests) + opts.max_new_tokens
-    per_row = (model.family.kv_bytes(model.config, tokens, opts.kv_dtype, FORMAT_OF_DTYPE[model.dtype])
-               + model.family.state_bytes(model.config))
-    size = max(1, model.plan.cache_bytes // per_row)
+    sequence at its full context, so a batch never outgrows it."""
+    size = model.rows_per_cache(max(len(r.ids) for r in requests) + settings.max_new_tokens, settings.kv_format)
     return [list(range(start, min(start + size, len(requests)))) for start in range(0, len(requests), size)]
 
 
-def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput], opts: _Options,
+def _decode(model: GenerationModel, requests: list[_Request], rows: list[SequenceOutput], settings: _Settings,
             eos_ids: frozenset[int], on_text: Callable[[int, str], None] | None,
             should_stop: Callable[[], bool], prefix: SharedPrefix | None) -> dict:
-    device, text_cfg = model.device, model.config.text
+    device = model.device
     started = time.perf_counter()
     devices.reset_peak(device)
     lengths = [len(r.ids) for r in requests]
@@ -403,8 +312,8 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
         mask[b, width - lengths[b]:] = 1
     images = _images_of(requests)
     mask = mask if min(lengths) < width else None
-    cache = model.new_cache(len(requests), width + opts.max_new_tokens, opts.kv_dtype)
-    sampler = Sampler(opts.sampling, [r.ids for r in requests], text_cfg.vocab_size, device, opts.seed)
+    cache = model.new_cache(len(requests), width + settings.max_new_tokens, settings.kv_format)
+    sampler = Sampler(settings.sampling, [r.ids for r in requests], model.vocab_size, device, settings.seed)
     stats = {"batch_size": len(requests), "kv_cache_bytes": cache.nbytes, "ttft_s": 0.0, "prefill_tok_s": 0.0,
              "decode_tok_s": 0.0}
     if should_stop():
@@ -421,7 +330,7 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
         logits = _prefill_after_prefix(model, prefix, requests, cache, position_ids, width)
     active = list(range(len(rows)))  # rows still in the batch, in batch order
     decoded = 0
-    for step in range(opts.max_new_tokens):
+    for step in range(settings.max_new_tokens):
         sampled = sampler(logits)  # the step's one copy to the CPU: ids, or NOT_FINITE for a broken row
         if NOT_FINITE in sampled:
             raise _non_finite_scores(model)
@@ -439,7 +348,7 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
             for r in active:
                 rows[r].stop_reason = rows[r].stop_reason or "cancelled"
         keep = [i for i, r in enumerate(active) if rows[r].stop_reason is None]
-        if not keep or step == opts.max_new_tokens - 1:
+        if not keep or step == settings.max_new_tokens - 1:
             break
         if len(keep) < len(active):  # finished rows leave the batch
             kept = torch.tensor(keep, device=device)
@@ -448,7 +357,7 @@ def _decode(model: A3BModel, requests: list[_Request], rows: list[SequenceOutput
             offsets, tokens = offsets[kept], tokens[keep]
             active = [active[i] for i in keep]
         position = (cache.length + offsets).view(1, -1, 1).expand(3, -1, -1)
-        logits = model.text(model.embed_rows(tokens[:, None], None), position, cache, None, last_only=True)[:, -1]
+        logits = model.decode_step(tokens, position, cache)
         decoded += len(active)
     decode_s = time.perf_counter() - started - stats["ttft_s"]
     stats["decode_tok_s"] = decoded / decode_s if decoded and decode_s > 0 else 0.0
@@ -461,7 +370,7 @@ def _images_of(requests: list[_Request]) -> EncodedImages | None:
     return sum(images[1:], images[0]) if images else None
 
 
-def _prefill_after_prefix(model: A3BModel, prefix: SharedPrefix, requests: list[_Request], cache,
+def _prefill_after_prefix(model: GenerationModel, prefix: SharedPrefix, requests: list[_Request], cache,
                           position_ids: torch.Tensor, width: int) -> torch.Tensor:
     """Prefills each prompt's tokens after the shared prefix into `cache`, each row placed where a left-padded prefill
     of the whole prompts (`width` tokens, positions `position_ids`) puts it: consecutive rows with equally many such
@@ -480,7 +389,7 @@ def _prefill_after_prefix(model: A3BModel, prefix: SharedPrefix, requests: list[
     return torch.cat(logits)
 
 
-def _non_finite_scores(model: A3BModel) -> CheckpointError:
+def _non_finite_scores(model: GenerationModel) -> CheckpointError:
     overflow = (" With compute_dtype float16 it can also be an overflow: load the model with compute_dtype "
                 "'bfloat16' instead." if model.dtype == torch.float16 else "")
     return CheckpointError(f"{model.folder}: the model computed NaN or infinite scores for the next token, so "

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError, ConfigError, ImageError, ModelReleasedError, PromptError, VideoError
+from ..errors import CheckpointError, ConfigError, ImageError, PromptError, VideoError
 from ..formats.table import CONVERTED_FORMATS, FORMAT_OF_DTYPE, FP8
 from ..media import image as image_pipeline
 from ..media import video as video_pipeline
-from ..models import family_for, family_of
+from ..models import family_of
 from ..prompting.built_in_templates import BUILT_IN_TEMPLATES
 from ..prompting.conversation import VIDEO_PAD, Turn, VideoTokens, tokenize
 from ..prompting.folder_template import FolderTemplate, find_chat_template
@@ -23,10 +23,12 @@ from ..release.config import ModelConfig, read_config
 from ..release.safetensors import Checkpoint
 from ..release.weights import Progress, find_prefix, load_module, move
 from . import cpu_swaps as backends, devices
-from .generation import GenerationResult, SharedPrefix, generate, generate_batch, prefill_prefix
-from .inputs import ChatPrompt, EncodedImages, ImageSource, check_input_ids
+from .forward import ForwardPass
+from .generation import SharedPrefix, generate, generate_batch, prefill_prefix
+from .inputs import ChatPrompt, EncodedImages, ImageSource
 from .options import BUILT_IN_TEMPLATE, CHAT_TEMPLATES, COMPUTE_DTYPES
 from .placement import Plan, make_plan
+from .sequence_output import GenerationResult
 
 EXPERT_CACHE_VERSION = 2  # 2: int4 in experts.quantize_int4's own layout
 VIDEO_GROUPS_PER_PASS = 8  # frame groups through the vision tower at once: bounds its memory for long clips
@@ -70,22 +72,19 @@ def resolve_compute_dtype(compute_dtype: str, device: torch.device) -> torch.dty
     return COMPUTE_DTYPES[compute_dtype]
 
 
-class A3BModel:
+class A3BModel(ForwardPass):
+    """A loaded model: its text model's forward pass (ForwardPass), vision tower and tokenizer, and the entry points
+    the nodes, the CLI and the services call: encode images and videos, build prompts, generate."""
+
     def __init__(self, folder: Path, config: ModelConfig, text: torch.nn.Module, vision: torch.nn.Module | None,
                  tokenizer: Tokenizer | None, plan: Plan, device: torch.device, dtype: torch.dtype,
                  load_stats: LoadStats, chat_template: FolderTemplate | None = None):
-        self.folder = folder
-        self.config = config
-        self.family = family_for(config.model_type)
+        super().__init__(folder, config, text, plan, device, dtype)
         self.built_in_template = BUILT_IN_TEMPLATES[self.family.name]
         # a model that always (never) thinks: True (False); None: as each prompt asks
         self.fixed_thinking = self.built_in_template.fixed_thinking(folder)
-        self.text = text
         self.vision = vision
         self.tokenizer = tokenizer
-        self.plan = plan
-        self.device = device  # where hidden states live: the plan's dense device
-        self.dtype = dtype
         self.load_stats = load_stats
         self.chat_template = chat_template  # the folder's own, or None for the family's built-in one
         self.default_thinking = self._default_thinking()
@@ -110,20 +109,6 @@ class A3BModel:
     def caption_prompt(self) -> str | None:
         """The model folder's own captioning request (config.json's a3b_caption_prompt), if it has one."""
         return self.config.caption_prompt
-
-    @property
-    def max_context(self) -> int:
-        return self.plan.max_context
-
-    @property
-    def kv_dtype(self) -> str:
-        """The plan's KV cache format (the names are the cache's own)."""
-        return self.plan.kv_dtype
-
-    def require_loaded(self) -> None:
-        if self.text is None:
-            raise ModelReleasedError(f"{self.folder}: this model was released (model.release()), so its weights are "
-                                     "gone. Load it again with load_model to use it.")
 
     # ------------------------------------------------------------------------------------------- images
     @torch.inference_mode()
@@ -250,126 +235,6 @@ class A3BModel:
         prompt = template(self.require_tokenizer(), user, system=system, image_token_counts=images.prompt_tokens,
                           thinking=thinking, history=history, add_vision_id=add_vision_id)
         return ChatPrompt(prompt, images)
-
-    # ------------------------------------------------------------------------------------------- forward
-    def vision_pads(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Where input_ids hold an image or video pad, whose places the vision rows take in order."""
-        pad_ids = torch.tensor((self.config.image_token_id, self.config.video_token_id), device=input_ids.device)
-        return torch.isin(input_ids, pad_ids)
-
-    def image_rows(self, input_ids: torch.Tensor, images: EncodedImages | None) -> torch.Tensor | None:
-        """The images' and videos' rows, one per image or video pad of input_ids (checked), or None without images:
-        [n, hidden], or [n, 1 + levels, hidden] for a vision tower with DeepStack."""
-        if images is None:
-            return None
-        n_pads, image_rows = int(self.vision_pads(input_ids).sum()), sum(images.token_counts)
-        if n_pads != image_rows:
-            raise PromptError(f"input_ids hold {n_pads} image pad tokens but the images supply {image_rows} "
-                              "embedding rows; build prompts with model.build_prompt so pads and images agree.")
-        hidden, vision = self.config.text.hidden_size, self.config.vision
-        levels = len(vision.deepstack_indexes) if vision is not None else 0
-        expected = (1 + levels, hidden) if levels else (hidden,)
-        shapes = {tuple(e.shape[1:]) for e in images.embeds}
-        if shapes - {expected}:
-            deepstack = f", {levels} DeepStack levels" if levels else ""
-            raise PromptError(f"the encoded images have rows of shape {sorted(shapes)} but this model needs {expected} "
-                              f"({hidden} features per token{deepstack}): they were encoded by another model. Encode "
-                              "them again with this model's encode_images.")
-        return torch.cat(images.embeds) if n_pads else None
-
-    def embed_rows(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None) -> torch.Tensor:
-        """Token embeddings [B, T, H] on the model's device, the image pads (row-major) replaced by `image_rows`
-        (their first level, with DeepStack)."""
-        table = self.text.embed_tokens.weight
-        embeds = self.text.embed_tokens(input_ids.to(table.device)).to(self.device)
-        if image_rows is not None:
-            rows = image_rows[:, 0] if image_rows.dim() == 3 else image_rows
-            embeds[self.vision_pads(input_ids).to(self.device)] = rows.to(self.device, embeds.dtype)
-        return embeds
-
-    def deepstack(self, input_ids: torch.Tensor,
-                  image_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """What the text model adds after its first layers at the image pads (DeepStack), or None: the pads' indices
-        among the B*T tokens [n] (found in RAM, where input_ids are, so the device never reports a count back) and
-        the rows' later levels [n, levels, H]."""
-        if image_rows is None or image_rows.dim() != 3:
-            return None
-        pads = self.vision_pads(input_ids.cpu()).flatten().nonzero().squeeze(1)
-        return pads.to(self.device), image_rows[:, 1:].to(self.device)
-
-    def run_text(self, input_ids: torch.Tensor, image_rows: torch.Tensor | None, position_ids: torch.Tensor, cache,
-                 attention_mask: torch.Tensor | None, last_only: bool) -> torch.Tensor:
-        """The text model on input_ids [B, T] with `image_rows` in place of their image pads."""
-        return self.text(self.embed_rows(input_ids, image_rows), position_ids, cache, attention_mask, last_only,
-                         self.deepstack(input_ids, image_rows))
-
-    def positions(self, input_ids: torch.Tensor, images: EncodedImages | None,
-                  attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, list[int]]:
-        """Rotary positions [3, B, T] and each row's rope delta; left padding gets position 0. A row's images are
-        the next ones in `images` whose tokens its pads hold."""
-        b, t = input_ids.shape
-        positions = torch.zeros(3, b, t, dtype=torch.long)
-        deltas = []
-        pending = list(zip(images.grids, images.token_counts)) if images is not None else []
-        for row in range(b):
-            real = attention_mask[row].bool() if attention_mask is not None else torch.ones(t, dtype=torch.bool)
-            ids = input_ids[row][real.to(input_ids.device)].cpu()
-            n_pads, row_grids = int(self.vision_pads(ids).sum()), []
-            while n_pads > 0 and pending:
-                grid, tokens = pending.pop(0)
-                row_grids.append(grid)
-                n_pads -= tokens
-            pos, delta = self.family.positions(self.config, ids, row_grids)
-            positions[:, row, real] = pos
-            deltas.append(delta)
-        return positions.to(self.device), deltas
-
-    @torch.inference_mode()
-    def forward(self, input_ids: torch.Tensor, images: EncodedImages | None = None, cache=None,
-                attention_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                last_only: bool = False) -> torch.Tensor:
-        if position_ids is None:
-            position_ids, _ = self.positions(input_ids, images, attention_mask)
-        mask = attention_mask.to(self.device) if attention_mask is not None else None
-        return self.run_text(input_ids, self.image_rows(input_ids, images), position_ids, cache, mask, last_only)
-
-    def prefill(self, input_ids: torch.Tensor, images: EncodedImages | None, cache,
-                attention_mask: torch.Tensor | None, position_ids: torch.Tensor,
-                chunk: int | None = None) -> torch.Tensor:
-        """Runs a prompt batch (input_ids [B, T] in RAM) into `cache`, `chunk` tokens at a time (default: what the
-        plan's activation workspace holds); returns the last position's logits [B, V]."""
-        pads = self.vision_pads(input_ids)
-        image_rows = self.image_rows(input_ids, images)
-        per_row = image_rows.split(pads.sum(1).tolist()) if image_rows is not None else ()  # each row's own, in order
-        used = [0] * input_ids.shape[0]
-        chunk = chunk or self.prefill_chunk(input_ids.shape[0])
-        for start in range(0, input_ids.shape[1], chunk):
-            end = start + chunk
-            rows = None
-            counts = pads[:, start:end].sum(1).tolist()
-            if per_row and any(counts):
-                rows = torch.cat([r[u:u + n] for r, u, n in zip(per_row, used, counts)])
-                used = [u + n for u, n in zip(used, counts)]
-            mask = attention_mask[:, start:end].to(self.device) if attention_mask is not None else None
-            logits = self.run_text(input_ids[:, start:end], rows, position_ids[..., start:end], cache, mask,
-                                   last_only=True)
-        return logits[:, -1]
-
-    def prefill_chunk(self, rows: int) -> int:
-        """Prompt tokens per forward pass for a batch of `rows`: what the plan's activation workspace holds."""
-        return self.family.prefill_chunk(self.config, self.plan.workspace_bytes, rows, FORMAT_OF_DTYPE[self.dtype])
-
-    def logits(self, input_ids: torch.Tensor, images: EncodedImages | None = None,
-               attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """LongTensor [B, T] -> float32 logits [B, T, vocab]; no cache is kept."""
-        self.require_loaded()
-        input_ids = check_input_ids(input_ids, self.config.text.vocab_size)
-        return self.forward(input_ids, images if images is not None else EncodedImages([], []),
-                            attention_mask=attention_mask)
-
-    def new_cache(self, batch: int, max_len: int, kv_dtype: str | None = None):
-        """The family's generation cache for `batch` sequences of up to `max_len` tokens, on the model's device."""
-        return self.family.new_cache(self.config.text, batch, max_len, self.dtype, self.device, kv_dtype=kv_dtype)
 
     # ------------------------------------------------------------------------------------------- generation
     def generate(self, prompt, **options) -> GenerationResult:

@@ -47,7 +47,7 @@ class GenerationOptions:
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
     seed: int = 0
-    stop: tuple[str, ...] = ()
+    stop: str | tuple[str, ...] = ()  # one stop text or several
     thinking_budget: int | None = None
     kv_dtype: str | None = None
     max_context: int | None = None

@@ -541,7 +541,7 @@ def _caption_batch(model: A3BModel, job: FolderJob, request: str, prepared: list
         prompts = [model.build_prompt(user=request, images=images[i], thinking=False) for i in range(len(readable))]
         options = job.generation.as_kwargs()
         if prefix is None and job.reuse_prefix and isinstance(model, A3BModel):
-            prefix = model.prefill_prefix(model.text_before_images(prompts[0]), options.get("kv_dtype"))
+            prefix = model.prefill_prefix(model.text_before_images(prompts[0]), job.generation.kv_dtype)
         if prefix is not None:
             options["shared_prefix"] = prefix
         results = model.generate_batch(prompts, should_stop=stop, **options)
