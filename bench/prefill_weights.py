@@ -6,7 +6,7 @@ multiple of the fp32 weights' time.
     python bench/prefill_weights.py                          # int8 experts, dense int8
     python bench/prefill_weights.py --experts int4 --dense-format int4
 
-The choice is the module-level function kernel_experts.dequantized_product asks (products.many_rows_weight_dtype),
+The choice is the module-level function kernel_stores.dequantized_product asks (cpu_linear.many_rows_weight_dtype),
 swapped between rounds; on a CPU without bf16 matrix kernels both variants are fp32 and the same.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: bench.*, a3b_core
 
-from a3b_core.formats import kernel_stores as kernel_experts
+from a3b_core.formats import kernel_stores
 from a3b_core.kernels import cpu_linear as products
 from bench.decode_kernels import load_bench_model, print_medians, timed_rounds, variants_parser  # noqa: E402
 from bench.worker import prompt_ids  # noqa: E402
@@ -35,7 +35,7 @@ def main() -> None:
     model.generate(prompt[:16], max_new_tokens=1, temperature=0)  # warm-up
 
     def prepare(variant: str) -> None:
-        kernel_experts.many_rows_weight_dtype = VARIANTS[variant]
+        kernel_stores.many_rows_weight_dtype = VARIANTS[variant]
 
     times = timed_rounds(list(VARIANTS), args.rounds, prepare,
                          lambda: model.generate(prompt, max_new_tokens=1, temperature=0))

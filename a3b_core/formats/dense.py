@@ -44,7 +44,7 @@ class QuantizedLinear(nn.Module):
         self.fmt = self.matrix.fmt
         for first in range(0, weight.shape[0], QUANTISE_ROWS):
             self.matrix.set(0, weight[first:first + QUANTISE_ROWS].float(), first)
-        self.rows_kernel = None  # kernel_steps.DenseKernel: products of few rows, when the numba kernels load
+        self.rows_kernel = None  # step_kernels.DenseKernel: products of few rows, when the numba kernels load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows_kernel is not None and self.rows_kernel.takes(x):

@@ -1,4 +1,5 @@
-"""Routed experts on the CPU computed by one compiled call per layer (numba, cpu_kernels.py) when a step has few rows.
+"""Routed experts on the CPU computed by one compiled call per layer (numba, kernels/cpu_numba.py) when a step has few
+rows.
 
 Decoding multiplies each of a token's top-k experts by one row. As torch calls that is three products per expert and
 layer, each with a fixed cost, and torch's weight-only int8 kernel reads its matrix at about half the memory
@@ -12,8 +13,8 @@ not per row count, so that a sequence decodes to the same tokens whatever batch 
 kernel does not depend on the other rows, while a prefill's path would then depend on how many rows a batch's last
 chunk has).
 
-Applied at load by prepare_cpu as a module swap of CPU expert stores in int8, int4 (experts.quantize_int4's layout,
-made for this kernel), FP8 (as released: 128x128 block scales, decoded in the kernel by shifting bits, so FP8
+Applied at load by prepare_cpu as a module swap of CPU expert stores in int8, int4 (int4.quantize_int4's layout, made
+for this kernel), FP8 (as released: 128x128 block scales, decoded in the kernel by shifting bits, so FP8
 checkpoints need no converted cache) and bf16, reading the store's tensors as they are. bf16 experts are summed in
 fp32 from their exact weights (torch's bf16 products round the activations to bf16), and the kernel saves torch's
 per-expert calls: in bench/expert_step.py its step ran 1.17-1.34x as fast as torch's products for one row,
@@ -58,18 +59,18 @@ def kernels_enabled() -> bool:
 
 @cache
 def compiled_kernels() -> ModuleType | None:
-    """cpu_kernels.py compiled and checked against torch on a small step, or None (with a warning) if it fails."""
+    """cpu_numba.py compiled and checked against torch on a small step, or None (with a warning) if it fails."""
     try:
-        from ..kernels import cpu_numba as cpu_kernels
+        from ..kernels import cpu_numba
     except ImportError:
         return None
     try:
-        check_kernels(cpu_kernels)
+        check_kernels(cpu_numba)
     except Exception as exc:  # numba's compile errors have many types; any failure means the torch path
         warnings.warn(f"a3b_core: numba could not compile the CPU expert kernels ({exc}); using torch's products "
                       "(slower decoding on the CPU). Set A3B_NO_NUMBA=1 to skip the attempt.", stacklevel=2)
         return None
-    return cpu_kernels
+    return cpu_numba
 
 
 def set_threads(kernels: ModuleType) -> None:

@@ -71,7 +71,7 @@ class CpuLinear(nn.Module):
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
         super().__init__()
         self.weight, self.bias = weight, bias
-        self.rows_kernel = None  # kernel_steps.DenseKernel: products of few rows, when the numba kernels load
+        self.rows_kernel = None  # step_kernels.DenseKernel: products of few rows, when the numba kernels load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rows_kernel is not None and self.rows_kernel.takes(x):

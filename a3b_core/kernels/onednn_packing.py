@@ -2,7 +2,7 @@
 
 A product of many rows (the vision tower's are hundreds of patches) reads a packed bf16 matrix faster than torch's
 default bf16 path (1.3-1.4x on an AVX-512 EPYC, in the README), and the results are the same to the bit. The text
-model is not packed: decoding multiplies single rows, which products.py runs faster on plain matrices. Only
+model is not packed: decoding multiplies single rows, which cpu_linear.py runs faster on plain matrices. Only
 bf16 matrices on the CPU are packed, one at a time, and the checkpoint's mapped pages of each are dropped once it is
 packed, so loading never holds two copies. Where oneDNN is missing or refuses, the plain weights stay.
 """

@@ -22,7 +22,7 @@ from ..prompting.tokenizer import Tokenizer, check_against_config
 from ..release.config import ModelConfig, read_config
 from ..release.safetensors import Checkpoint
 from ..release.weights import Progress, find_prefix, load_module, move
-from . import cpu_swaps as backends, devices
+from . import cpu_swaps, devices
 from .forward import ForwardPass
 from .generation import SharedPrefix, generate, generate_batch, prefill_prefix
 from .inputs import ChatPrompt, EncodedImages, ImageSource
@@ -338,7 +338,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
                               "to another model: download them again.") from exc
     family.place_text(text.eval(), where(plan.dense_device), where(plan.embed_device),
                       {layer: where("cuda") for layer in plan.gpu_expert_layers})
-    backends.prepare_cpu(text, vision, release_under(text_prefix), release_under(vision_prefix), plan.dense_format)
+    cpu_swaps.prepare_cpu(text, vision, release_under(text_prefix), release_under(vision_prefix), plan.dense_format)
     stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
     return A3BModel(folder, config, text, vision, tokenizer, plan, where(plan.dense_device), dtype, stats,
                     folder_template)

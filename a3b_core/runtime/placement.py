@@ -7,7 +7,7 @@ experts, routers, norms, lm_head) and the cache, which must fit; the vision towe
 whole layers of routed experts as fit; and embed_tokens (a row lookup, fine on the CPU) only once everything else
 is on the GPU. Dense parts are held in the compute format (bf16, fp16 or fp32); an FP8 checkpoint's dense parts stay
 FP8 on the GPU only when the compute format would not leave room for the cache at the full context; on the CPU,
-dense_format int8 / int4 holds their matrices quantised (backends/dense.py says which), counted here at that size
+dense_format int8 / int4 holds their matrices quantised (formats/dense.py says which), counted here at that size
 (a GPU's dense parts are refused in int8 / int4: torch's weight-only kernels for them are the CPU's). Routed experts
 left over live in RAM and are computed by the CPU; RAM must hold them (weight format auto: int8, or int4 when RAM is
 short), whatever else is in RAM, and CPU_WORKSPACE_BYTES. "auto" plans for the free VRAM (torch.cuda.mem_get_info)

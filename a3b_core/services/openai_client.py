@@ -3,7 +3,7 @@ used through the same calls as a local A3BModel: encode_images, build_prompt, ge
 
 Images are resized here exactly as the local engine resizes them, then sent as PNG data URLs; a server that keeps an
 image's own size (ours, vLLM and SGLang do for Qwen3.5, within their pixel limits) then sees the pixels a local model
-would. A prompt is the conversation as chat messages (chat_messages.py); the server renders the chat template, and
+would. A prompt is the conversation as chat messages (openai_messages.py); the server renders the chat template, and
 thinking travels as chat_template_kwargs.enable_thinking (left out when the prompt leaves it to the server). Answers stream over server-sent events; generate_batch sends
 its prompts as parallel requests. `should_stop` is polled while waiting, and True closes the connections, which
 cancels the generations on servers that notice a client leaving (ours, vLLM and SGLang do).
