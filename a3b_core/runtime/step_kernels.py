@@ -1,7 +1,8 @@
-"""Decoding work other than the routed experts computed by the numba kernels (cpu_kernels.py), attached at load to
-the modules that call them: a dense matrix's product with a few rows (a quantised matrix's products of more rows take
-its kernel-dequantised weights), a Gated DeltaNet layer's token step, a Qwen3.5 MoE block's whole token step,
-RMSNorms of a decoding step's bf16 rows, and a Qwen3.5 MoE decoder layer's whole token step.
+"""Decoding work other than the routed experts computed by numba kernels, attached at load to the modules that call
+them: a dense matrix's product with a few rows (a quantised matrix's products of more rows take its kernel-dequantised
+weights) and RMSNorms of a decoding step's bf16 rows (kernels/cpu_numba.py), a Gated DeltaNet layer's token step, a
+Qwen3.5 MoE block's whole token step and a Qwen3.5 MoE decoder layer's whole token step (models/qwen3_5/cpu_steps.py,
+given its weights as the named bundles it reads, built here once).
 
 A decoding step of the text model is mostly small products and many small torch calls, each with a fixed cost
 (2-6 us on a 2-core Xeon, where torch's RMSNorm of one 1024-wide bf16 row took 2.5-2.7x the norm kernel's call:
@@ -27,13 +28,15 @@ The products and the DeltaNet step compute in fp32 (the DeltaNet step is the fp3
 path rounds its intermediates to bf16), and a row's result does not depend on the other rows of a batch. bf16 rows
 pass to and from the kernels as their bit patterns (int16), with no torch conversion. The kernels are attached only
 to models whose compute dtype is not fp32 (the norm and MoE step kernels: bf16): the fp32 mode stays the
-reference's, layer for layer. Without numba (kernel_experts.py says when) nothing is attached and torch's path runs.
+reference's, layer for layer. Without numba (formats/kernel_stores.py says when) nothing is attached and torch's
+path runs.
 """
 from __future__ import annotations
 
 import warnings
 from functools import cache
 from types import ModuleType, SimpleNamespace
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -45,8 +48,12 @@ from ..formats.kernel_stores import (FORMAT_CODES, KERNEL_FORMATS, LOCK, KernelE
                                      dequantized_product, kernel_arrays, kernels_enabled, plain_cpu, set_threads)
 from ..formats.kernel_stores import matrix as expert_matrix
 from ..formats.stores import CpuFloatExperts, QuantizedExperts
+from ..kernels.arrays import Matrix
 from ..kernels.cpu_linear import GEMV_MAX_ROWS, CpuLinear, FusedLinear
 from ..models.kv_cache import KVCache
+
+if TYPE_CHECKING:
+    from ..models.qwen3_5.cpu_steps import AttentionWeights, DeltaNetWeights, LayerNorms, MoeWeights
 
 BF16_KERNEL_MIN_ROWS = 1024
 
@@ -62,6 +69,11 @@ class DenseKernel:
         self.arrays = kernel_arrays(fmt, stack)
         self.quantised = fmt != "bf16"
         self.shape = tuple(stack.shape[1:])  # (out, in)
+
+    @property
+    def matrix(self) -> Matrix:
+        """The matrix as the fused steps read it."""
+        return Matrix(self.code, *self.arrays)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether the kernel computes this product: a plain CPU tensor of few rows, or of any rows when quantised."""
@@ -86,17 +98,24 @@ class DenseKernel:
         return out.to(x.dtype)
 
 
+def qwen3_5_steps() -> ModuleType:
+    """Qwen3.5's fused steps (models/qwen3_5/cpu_steps.py), imported where a kernel is made of them: it imports
+    numba."""
+    from ..models.qwen3_5 import cpu_steps
+    return cpu_steps
+
+
 class DeltaNetKernel:
-    """A Gated DeltaNet layer's decoding step after its input projections (cpu_kernels.gated_delta_step), for the
+    """A Gated DeltaNet layer's decoding step after its input projections (cpu_steps.gated_delta_step), for the
     layer that calls it; holds fp32 copies of the layer's small parameters (conv taps, decay and norm weights)."""
 
     def __init__(self, layer: nn.Module | SimpleNamespace, kernels: ModuleType):
-        self.kernels = kernels
+        self.kernels, self.steps = kernels, qwen3_5_steps()
         taps = layer.conv1d.weight.shape[-1]
-        self.conv_w = layer.conv1d.weight.detach().float().reshape(-1, taps).contiguous().numpy()
-        self.a_log, self.dt_bias, self.norm_w = (p.detach().float().contiguous().numpy()
-                                                 for p in (layer.A_log, layer.dt_bias, layer.norm.weight))
-        self.eps, self.key_heads = np.float32(layer.cfg.rms_norm_eps), layer.nk
+        conv_w = layer.conv1d.weight.detach().float().reshape(-1, taps).contiguous().numpy()
+        a_log, dt_bias, norm_w = (p.detach().float().contiguous().numpy()
+                                  for p in (layer.A_log, layer.dt_bias, layer.norm.weight))
+        self.rule = self.steps.DeltaRule(conv_w, a_log, dt_bias, norm_w, np.float32(layer.cfg.rms_norm_eps), layer.nk)
 
     def takes(self, history: torch.Tensor, state: torch.Tensor) -> bool:
         """Whether the kernel can update this cache's tensors in place (plain, contiguous fp32 on the CPU)."""
@@ -109,8 +128,7 @@ class DeltaNetKernel:
         out = np.empty(z.shape, np.float32)
         with LOCK:
             set_threads(self.kernels)
-            self.kernels.gated_delta_step(qkv, z, beta, a, self.conv_w, history.numpy(), self.a_log, self.dt_bias,
-                                          self.norm_w, self.eps, self.key_heads, state.numpy(), out)
+            self.steps.gated_delta_step(qkv, z, beta, a, self.rule, history.numpy(), state.numpy(), out)
         return torch.from_numpy(out)[:, None]
 
 
@@ -141,18 +159,18 @@ MOE_PARTS = ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared
 
 class MoeStepKernel:
     """A Qwen3.5 sparse MoE block's decoding step (router, routing, routed and shared experts, their sum) in one
-    numba call (cpu_kernels.sparse_moe_step), for the block that calls it: about 25 torch calls and three kernel calls
+    numba call (cpu_steps.sparse_moe_step), for the block that calls it: about 25 torch calls and three kernel calls
     become one. The router and the mixing weight are bf16; the shared expert's three matrices share one format (bf16,
     or dense_format's int8 / int4); the matrices are read where they are held (no copies). The result is the block's
     with the dense and routed kernels, intermediates rounded to bf16 as there."""
 
     def __init__(self, parts: dict[str, DenseKernel], experts: KernelExperts, top_k: int, kernels: ModuleType):
-        router, gate, up, mix, down = (parts[name] for name in MOE_PARTS)
-        no_scale = router.arrays[1]
-        self.kernels = kernels
-        self.arrays = (router.arrays[0], mix.arrays[0], no_scale, gate.code, *gate.arrays, *up.arrays, *down.arrays,
-                       FORMAT_CODES[experts.fmt], experts.inter, *experts.gate_up_proj.arrays,
-                       *experts.down_proj.arrays, top_k)
+        router, gate, up, mix, down = (parts[name].matrix for name in MOE_PARTS)
+        self.kernels, self.steps = kernels, qwen3_5_steps()
+        code = FORMAT_CODES[experts.fmt]
+        routed = self.steps.RoutedExperts(Matrix(code, *experts.gate_up_proj.arrays),
+                                          Matrix(code, *experts.down_proj.arrays), experts.inter)
+        self.weights = self.steps.MoeWeights(router, mix, gate, up, down, routed, top_k)
 
     @classmethod
     def of(cls, moe: nn.Module, kernels: ModuleType) -> MoeStepKernel | None:
@@ -177,31 +195,33 @@ class MoeStepKernel:
         rows, out = bf16_arrays(x)
         with LOCK:
             set_threads(self.kernels)
-            self.kernels.sparse_moe_step(*self.arrays, rows, out.numpy())
+            self.steps.sparse_moe_step(self.weights, rows, out.numpy())
         return bf16_tensor(out, x.shape)
 
 
 class LayerStepKernel:
-    """A Qwen3.5 MoE decoder layer's decoding step in one numba call, for the layer that calls it, from the arrays of
+    """A Qwen3.5 MoE decoder layer's decoding step in one numba call, for the layer that calls it, from the weights of
     its parts' kernels (the matrices read where they are held): its two norms, its token mixer (DeltaNetLayerKernel,
     AttentionLayerKernel), the MoE block and the residuals. About ten kernel calls and 20-40 torch calls become one.
     It returns what the layer's path with the separate kernels returns, except that products torch computes there
     (bf16 matrices below BF16_KERNEL_MIN_ROWS rows, and attention) are summed in the kernels' order: a result may
     differ by one bf16 rounding."""
 
-    def __init__(self, layer: int, arrays: tuple, kernels: ModuleType):
-        self.layer, self.arrays, self.kernels = layer, arrays, kernels
+    def __init__(self, layer: int, norms: LayerNorms, mixer: DeltaNetWeights | AttentionWeights, moe: MoeWeights,
+                 kernels: ModuleType):
+        self.layer, self.kernels, self.steps = layer, kernels, qwen3_5_steps()
+        self.norms, self.mixer, self.moe = norms, mixer, moe
 
     @staticmethod
-    def shared_arrays(layer: nn.Module) -> tuple | None:
-        """The arrays every layer step reads first (the two norms' scales and eps) and last (the MoE step's), or
-        None where a part has no kernel; the mixer's norms must share the eps."""
+    def shared_weights(layer: nn.Module) -> tuple[LayerNorms, MoeWeights] | None:
+        """The weights every layer step reads first (the two norms: cpu_steps.LayerNorms) and last (the MoE step's
+        MoeWeights), or None where a part has no kernel; the mixer's norms must share the eps."""
         norms = (layer.input_layernorm.norm_kernel, layer.post_attention_layernorm.norm_kernel)
         moe = getattr(layer.mlp, "step_kernel", None)
         if not (all(isinstance(n, NormKernel) for n in norms) and isinstance(moe, MoeStepKernel)
                 and norms[0].eps == norms[1].eps):
             return None
-        return (norms[0].scale, norms[1].scale, norms[0].eps), moe.arrays
+        return qwen3_5_steps().LayerNorms(norms[0].scale, norms[1].scale, norms[0].eps), moe.weights
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache) -> torch.Tensor:
         """The layer's output for decoding rows x [B, 1, H] (bf16), the cache updated."""
@@ -213,10 +233,11 @@ class LayerStepKernel:
 
 
 class DeltaNetLayerKernel(LayerStepKernel):
-    """A Gated DeltaNet layer's step (cpu_kernels.deltanet_layer_step); its conv history and state are updated."""
+    """A Gated DeltaNet layer's step (cpu_steps.deltanet_layer_step); its conv history and state are updated."""
 
-    def __init__(self, layer: int, delta: DeltaNetKernel, arrays: tuple, kernels: ModuleType):
-        super().__init__(layer, arrays, kernels)
+    def __init__(self, layer: int, delta: DeltaNetKernel, norms: LayerNorms, mixer: DeltaNetWeights, moe: MoeWeights,
+                 kernels: ModuleType):
+        super().__init__(layer, norms, mixer, moe, kernels)
         self.delta = delta
 
     @classmethod
@@ -224,17 +245,16 @@ class DeltaNetLayerKernel(LayerStepKernel):
         """The kernel of a DeltaNet decoder layer whose norms, DeltaNet step and MoE block have their kernels and
         whose projections the kernels read (qkv, z and the output projection in one format, b and a bf16), once it
         passes its check (checked_layer_step, `verdicts`); else None."""
-        mixer, shared = layer.linear_attn, cls.shared_arrays(layer)
+        mixer, shared = layer.linear_attn, cls.shared_weights(layer)
         delta = mixer.step_kernel
-        if shared is None or not isinstance(delta, DeltaNetKernel) or delta.eps != shared[0][2]:
+        if shared is None or not isinstance(delta, DeltaNetKernel) or delta.rule.eps != shared[0].eps:
             return None
         qkv, z, b, a, out = (dense_kernel(m, kernels) for m in (*input_matrices(mixer), mixer.out_proj))
         if any(p is None for p in (qkv, z, b, a, out)) or not qkv.fmt == z.fmt == out.fmt \
                 or not b.fmt == a.fmt == "bf16":
             return None
-        arrays = (*shared[0], qkv.code, *qkv.arrays, *z.arrays, b.arrays[0], a.arrays[0], *out.arrays, delta.conv_w,
-                  delta.a_log, delta.dt_bias, delta.norm_w, delta.key_heads, *shared[1])
-        kernel = cls(mixer.layer, delta, arrays, kernels)
+        weights = delta.steps.DeltaNetWeights(qkv.matrix, z.matrix, b.matrix, a.matrix, out.matrix, delta.rule)
+        kernel = cls(mixer.layer, delta, shared[0], weights, shared[1], kernels)
         return kernel if checked_layer_step(kernel, layer, verdicts) else None
 
     def takes(self, x: torch.Tensor, cache, key_mask: torch.Tensor | None) -> bool:
@@ -245,7 +265,7 @@ class DeltaNetLayerKernel(LayerStepKernel):
 
     def run(self, rows: np.ndarray, cos: torch.Tensor, sin: torch.Tensor, cache, out: np.ndarray) -> None:
         history, state = cache.conv_state(self.layer).numpy(), cache.recurrent_state(self.layer).numpy()
-        self.kernels.deltanet_layer_step(*self.arrays, history, state, rows, out)
+        self.steps.deltanet_layer_step(self.norms, self.mixer, self.moe, history, state, rows, out)
 
 
 # attention products (cached tokens x query heads x head_dim) up to which a layer step computes attention itself:
@@ -257,11 +277,12 @@ LAYER_ATTENTION_MAX = 2 ** 23
 
 
 class AttentionLayerKernel(LayerStepKernel):
-    """A gated full-attention layer's step (cpu_kernels.attention_layer_step) with a cache that stores its keys and
+    """A gated full-attention layer's step (cpu_steps.attention_layer_step) with a cache that stores its keys and
     values in bf16 and has no padding, up to LAYER_ATTENTION_MAX; the new key and value are stored in the cache."""
 
-    def __init__(self, layer: int, arrays: tuple, kernels: ModuleType, token_work: int):
-        super().__init__(layer, arrays, kernels)
+    def __init__(self, layer: int, norms: LayerNorms, mixer: AttentionWeights, moe: MoeWeights, kernels: ModuleType,
+                 token_work: int):
+        super().__init__(layer, norms, mixer, moe, kernels)
         self.token_work = token_work  # the attention products of one cached token: query heads x head_dim
 
     @classmethod
@@ -269,17 +290,17 @@ class AttentionLayerKernel(LayerStepKernel):
         """The kernel of a full-attention decoder layer with the output gate whose norms and MoE block have their
         kernels and whose projections the kernels read (q, k, v and o in one format), once it passes its check
         (checked_layer_step, `verdicts`); else None."""
-        attn, shared = layer.self_attn, cls.shared_arrays(layer)
+        attn, shared = layer.self_attn, cls.shared_weights(layer)
         head_norms = (attn.q_norm.norm_kernel, attn.k_norm.norm_kernel)
         if shared is None or not attn.output_gate or not all(
-                isinstance(n, NormKernel) and n.eps == shared[0][2] for n in head_norms):
+                isinstance(n, NormKernel) and n.eps == shared[0].eps for n in head_norms):
             return None
         q, k, v, o = (dense_kernel(m, kernels) for m in (*input_matrices(attn), attn.o_proj))
         if any(p is None for p in (q, k, v, o)) or not q.fmt == k.fmt == v.fmt == o.fmt:
             return None
-        arrays = (*shared[0], q.code, *q.arrays, *k.arrays, *v.arrays, *o.arrays, head_norms[0].scale,
-                  head_norms[1].scale, attn.cfg.num_heads, *shared[1])
-        kernel = cls(attn.layer, arrays, kernels, attn.cfg.num_heads * attn.cfg.head_dim)
+        weights = qwen3_5_steps().AttentionWeights(q.matrix, k.matrix, v.matrix, o.matrix, head_norms[0].scale,
+                                                   head_norms[1].scale, attn.cfg.num_heads)
+        kernel = cls(attn.layer, shared[0], weights, shared[1], kernels, attn.cfg.num_heads * attn.cfg.head_dim)
         return kernel if checked_layer_step(kernel, layer, verdicts) else None
 
     def takes(self, x: torch.Tensor, cache, key_mask: torch.Tensor | None) -> bool:
@@ -297,7 +318,8 @@ class AttentionLayerKernel(LayerStepKernel):
     def run(self, rows: np.ndarray, cos: torch.Tensor, sin: torch.Tensor, cache, out: np.ndarray) -> None:
         cos, sin = (t[:, 0].float().contiguous().numpy() for t in (cos, sin))
         keys, values = (t[self.layer].view(torch.int16).numpy() for t in (cache.keys, cache.values))
-        self.kernels.attention_layer_step(*self.arrays, cos, sin, keys, values, cache.length, rows, out)
+        self.steps.attention_layer_step(self.norms, self.mixer, self.moe, cos, sin, keys, values, cache.length, rows,
+                                        out)
 
 
 CHECK_CACHED = 5  # tokens in the cache a layer step is checked with
@@ -310,10 +332,18 @@ def checked_layer_step(kernel: LayerStepKernel, layer: nn.Module, verdicts: dict
     False with a warning if not. One layer is checked per kind and compiled signature (the arrays' dtypes and
     dimensions), its verdict kept in `verdicts` for the model's other layers: the check reads up to 16 experts' weights
     of its layer, which on a large model may still be on disk."""
-    signature = (type(kernel), *((a.dtype, a.ndim) if isinstance(a, np.ndarray) else type(a) for a in kernel.arrays))
+    signature = (type(kernel), *(array_types(weights) for weights in (kernel.norms, kernel.mixer, kernel.moe)))
     if signature not in verdicts:
         verdicts[signature] = layer_step_reproduces(kernel, layer)
     return verdicts[signature]
+
+
+def array_types(value: object) -> object:
+    """The dtypes and dimensions of the arrays in nested tuples of kernel weights (the types of their other values):
+    what their compiled signature depends on."""
+    if isinstance(value, tuple):
+        return tuple(array_types(v) for v in value)
+    return (value.dtype, value.ndim) if isinstance(value, np.ndarray) else type(value)
 
 
 def layer_step_reproduces(kernel: LayerStepKernel, layer: nn.Module) -> bool:
