@@ -2,7 +2,10 @@
 rows and the Gated DeltaNet step equal the torch computations they replace, MoE blocks' and decoder layers' one-call
 steps equal their paths with the separate kernels; they are attached to bf16 models only, and whole models decode the
 same with them."""
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -335,3 +338,11 @@ def test_layer_steps_are_checked_once_per_kind_and_fall_back_when_the_check_fail
     assert isinstance(model.text.layers[0].mlp.step_kernel, MoeStepKernel)  # the parts keep their kernels
     assert 1 <= len(model.generate(torch.tensor([1, 2]), max_new_tokens=3, temperature=0).token_ids) <= 3
 
+
+def test_importing_the_engine_leaves_numba_unimported():
+    """numba is imported where the kernels are first compiled, not with the engine or a family's model code (the
+    fused steps in models/qwen3_5/cpu_steps.py included): a model loads without it."""
+    code = "import sys, a3b_core, a3b_core.runtime.step_kernels, a3b_core.models.qwen3_5; print('numba' in sys.modules)"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           cwd=Path(__file__).resolve().parents[1])
+    assert found.stdout.strip() == "False"
