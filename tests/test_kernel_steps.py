@@ -2,7 +2,10 @@
 rows and the Gated DeltaNet step equal the torch computations they replace, MoE blocks' and decoder layers' one-call
 steps equal their paths with the separate kernels; they are attached to bf16 models only, and whole models decode the
 same with them."""
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,10 +20,11 @@ from a3b_core.models.layers import RMSNorm, rotary_cos_sin
 from a3b_core.models.qwen3_5.cache import Cache
 from a3b_core.models.qwen3_5.config import parse_text_config
 from a3b_core.models.qwen3_5.text import GatedDeltaNet, SparseMoE
+from a3b_core.runtime import layer_steps
 from a3b_core.runtime import step_kernels as kernel_steps
-from a3b_core.runtime.step_kernels import (BF16_KERNEL_MIN_ROWS, AttentionLayerKernel, DeltaNetKernel,
-                                           DeltaNetLayerKernel, DenseKernel, MoeStepKernel, NormKernel,
-                                           attach_step_kernels)
+from a3b_core.runtime.layer_steps import AttentionLayerKernel, DeltaNetKernel, DeltaNetLayerKernel, MoeStepKernel
+from a3b_core.runtime.row_kernels import DenseKernel, NormKernel
+from a3b_core.runtime.step_kernels import BF16_KERNEL_MIN_ROWS, attach_step_kernels
 from tests.test_cpu_kernels import step_bound
 
 pytestmark = pytest.mark.skipif(compiled_kernels() is None, reason="numba is not installed or cannot compile")
@@ -216,7 +220,7 @@ def test_layer_steps_equal_the_layers_kernel_path(fixtures, which, weight_format
             assert torch.allclose(t.float(), getattr(caches[1], name)[layer].float(), rtol=1e-5, atol=1e-6)
     attention = [layer.step_kernel for layer in model.text.layers if hasattr(layer, "self_attn")]
     assert all(kernel.takes(x, caches[0], None) for kernel in attention)
-    monkeypatch.setattr(kernel_steps, "LAYER_ATTENTION_MAX", cached * attention[0].token_work)  # one token short
+    monkeypatch.setattr(layer_steps, "LAYER_ATTENTION_MAX", cached * attention[0].token_work)  # one token short
     assert not any(kernel.takes(x, caches[0], None) for kernel in attention)
 
 
@@ -317,8 +321,8 @@ def test_layer_steps_are_checked_once_per_kind_and_fall_back_when_the_check_fail
     layer step that fails its check leaves the layers' path with the separate kernels, with a warning."""
     monkeypatch.delenv("A3B_NO_NUMBA", raising=False)
     checked = []
-    reproduces = kernel_steps.layer_step_reproduces
-    monkeypatch.setattr(kernel_steps, "layer_step_reproduces",
+    reproduces = layer_steps.layer_step_reproduces
+    monkeypatch.setattr(layer_steps, "layer_step_reproduces",
                         lambda kernel, layer: checked.append(type(kernel)) or reproduces(kernel, layer))
     model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16")
     assert sorted(k.__name__ for k in checked) == ["AttentionLayerKernel", "DeltaNetLayerKernel"]
@@ -327,10 +331,18 @@ def test_layer_steps_are_checked_once_per_kind_and_fall_back_when_the_check_fail
     def broken(layer, rows):
         raise ValueError("a compile error")
 
-    monkeypatch.setattr(kernel_steps, "check_cache", broken)
+    monkeypatch.setattr(layer_steps, "check_cache", broken)
     with pytest.warns(UserWarning, match="could not compile the CPU decoder layer step"):
         model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16")
     assert all(layer.step_kernel is None for layer in model.text.layers)
     assert isinstance(model.text.layers[0].mlp.step_kernel, MoeStepKernel)  # the parts keep their kernels
     assert 1 <= len(model.generate(torch.tensor([1, 2]), max_new_tokens=3, temperature=0).token_ids) <= 3
 
+
+def test_importing_the_engine_leaves_numba_unimported():
+    """numba is imported where the kernels are first compiled, not with the engine or a family's model code (the
+    fused steps in models/qwen3_5/cpu_steps.py included): a model loads without it."""
+    code = "import sys, a3b_core, a3b_core.runtime.step_kernels, a3b_core.models.qwen3_5; print('numba' in sys.modules)"
+    found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                           cwd=Path(__file__).resolve().parents[1])
+    assert found.stdout.strip() == "False"

@@ -1,21 +1,22 @@
-"""The numba kernels of kernel_experts.py and kernel_steps.py: one layer's routed-expert step for a few rows in one
-compiled call, a dense matrix's product with a few rows, a quantised matrix dequantised (for products of many rows),
-a Gated DeltaNet layer's decoding step, a Qwen3.5 MoE block's decoding step, RMSNorms of bf16 rows, and a
-Qwen3.5 MoE decoder layer's whole decoding step (Gated DeltaNet or gated full attention) made of these.
+"""The numba kernels of formats/kernel_stores.py and runtime/step_kernels.py: one layer's routed-expert step for a
+few rows in one compiled call, a dense matrix's product with a few rows, a quantised matrix dequantised (for products
+of many rows), RMSNorms of bf16 rows, the rotary embedding and softmax attention over a bf16 KV cache. They know
+weight layouts and shapes but no model: a family's fused decoding steps are made of them in its own folder
+(models/qwen3_5/cpu_steps.py).
 
-Imported only when numba is installed (kernel_experts.py decides). Each weight row is dotted with an activation row in
-loops over its contiguous bytes: int4, and int8 rows whose inputs come in groups of CODE_GROUP, multiply their weights
-in integers by int16 codes of each group of activations (int4: a group's low and high nibbles, the sum times the
-group's scale, plus its minimum times the activations' group sum; int8: the sum times the row's scale), with AVX-512
-or AVX2 in vector code of the pack's own (pmadd_codegen); other int8 rows are converted as they are summed; FP8 e4m3
-and bf16 are turned into fp32 by shifting bits, with no table, FP8's 128-column block sums times their block's scale,
-in loops LLVM vectorises. A parallel work item reads a block of consecutive rows of one expert, so the weights stream
-from memory in long runs, and int8, int4 and bf16 rows, read faster than one thread's cache misses arrive, ask for the
-rows ahead of them (prefetch_ahead). A chosen expert's rows are read once per call however many activation rows routed
-to it (the repeats hit the cache), and each row's result is the same whatever other rows share the call (batches
-decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32 rounding of a sum
-(int4 and coded int8: and the codes' rounding, at most 1/65534 of a group's largest |activation| per input), far below
-the formats' own.
+Imported only when numba is installed (formats/kernel_stores.py decides). Each weight row is dotted with an activation
+row in loops over its contiguous bytes: int4, and int8 rows whose inputs come in groups of CODE_GROUP, multiply their
+weights in integers by int16 codes of each group of activations (int4: a group's low and high nibbles, the sum times
+the group's scale, plus its minimum times the activations' group sum; int8: the sum times the row's scale), with
+AVX-512 or AVX2 in vector code of the pack's own (pmadd_codegen); other int8 rows are converted as they are summed;
+FP8 e4m3 and bf16 are turned into fp32 by shifting bits, with no table, FP8's 128-column block sums times their
+block's scale, in loops LLVM vectorises. A parallel work item reads a block of consecutive rows of one expert, so the
+weights stream from memory in long runs, and int8, int4 and bf16 rows, read faster than one thread's cache misses
+arrive, ask for the rows ahead of them (prefetch_ahead). A chosen expert's rows are read once per call however many
+activation rows routed to it (the repeats hit the cache), and each row's result is the same whatever other rows share
+the call (batches decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32
+rounding of a sum (int4 and coded int8: and the codes' rounding, at most 1/65534 of a group's largest |activation| per
+input), far below the formats' own.
 
 Arrays (all C-contiguous, so three compiled signatures of each kernel serve the four formats, each compiled once
 per machine; a dense matrix is held as one expert):
@@ -555,69 +556,6 @@ def dequantize_bf16(fmt, q, scale, e, out):
                 dst[k] = np.int16(bf16_half(bits[k]) & 0xFFFF)
 
 
-@njit(cache=True, fastmath=FAST, parallel=True)
-def gated_delta_step(qkv, z, beta_in, a_in, conv_w, history, a_log, dt_bias, norm_w, eps, key_heads, state, out):
-    """One decoding token of a Gated DeltaNet layer for each of B sequences, from its input projections to the gated
-    norm's output (models/qwen3_5/text.py, GatedDeltaNet.forward with one token, in fp32):
-    qkv [B, C] and z [B, nv * dv] (projections), beta_in / a_in [B, nv]; conv_w [C, K]; history [B, K-1, C] (the
-    conv's previous inputs, updated); a_log, dt_bias [nv]; norm_w [dv]; state [B, nv, dk, dv] (updated);
-    out [B, nv * dv]."""
-    batch, channels = qkv.shape
-    taps = conv_w.shape[1]
-    heads, dk, dv = state.shape[1], state.shape[2], state.shape[3]
-    key_dim = key_heads * dk
-    conv = np.empty((batch, channels), np.float32)
-    # the causal conv's step and SiLU, channel by channel; the history shifts by one input
-    for c in prange(channels):
-        for s in range(batch):
-            acc = qkv[s, c] * conv_w[c, taps - 1]
-            for i in range(taps - 1):
-                acc += history[s, i, c] * conv_w[c, i]
-            for i in range(taps - 2):
-                history[s, i, c] = history[s, i + 1, c]
-            history[s, taps - 2, c] = qkv[s, c]
-            conv[s, c] = acc / (1 + np.exp(-acc))
-    # per value head: its key head's q, k (L2-normalised, q scaled by dk^-1/2), the delta rule, the gated norm
-    for item in prange(batch * heads):
-        s, h = item // heads, item % heads
-        kh = h // (heads // key_heads)
-        q = conv[s, kh * dk:(kh + 1) * dk]
-        k = conv[s, key_dim + kh * dk:key_dim + (kh + 1) * dk]
-        v = conv[s, 2 * key_dim + h * dv:2 * key_dim + (h + 1) * dv]
-        q_sq, k_sq = np.float32(0.0), np.float32(0.0)
-        for i in range(dk):
-            q_sq += q[i] * q[i]
-            k_sq += k[i] * k[i]
-        q_scale = np.float32(1.0) / np.sqrt(q_sq + np.float32(1e-6)) / np.sqrt(np.float32(dk))
-        k_scale = np.float32(1.0) / np.sqrt(k_sq + np.float32(1e-6))
-        beta = np.float32(1.0) / (1 + np.exp(-beta_in[s, h]))
-        a = a_in[s, h] + dt_bias[h]
-        softplus = a if a > 20 else np.log1p(np.exp(a))  # torch's softplus (threshold 20)
-        decay = np.exp(-np.exp(a_log[h]) * softplus)
-        st = state[s, h]
-        u = np.zeros(dv, np.float32)  # k @ state (before the decay), then the update's row
-        for i in range(dk):
-            ki = k[i] * k_scale
-            for j in range(dv):
-                u[j] += ki * st[i, j]
-        for j in range(dv):
-            u[j] = (v[j] - decay * u[j]) * beta
-        o = np.zeros(dv, np.float32)
-        for i in range(dk):
-            ki, qi = k[i] * k_scale, q[i] * q_scale
-            for j in range(dv):
-                new = decay * st[i, j] + ki * u[j]
-                st[i, j] = new
-                o[j] += qi * new
-        o_sq = np.float32(0.0)
-        for j in range(dv):
-            o_sq += o[j] * o[j]
-        o_scale = np.float32(1.0) / np.sqrt(o_sq / dv + eps)
-        for j in range(dv):
-            g = z[s, h * dv + j]
-            out[s, h * dv + j] = o[j] * o_scale * norm_w[j] * (g / (1 + np.exp(-g)))
-
-
 @njit(cache=True, fastmath=FAST)
 def rms_norm_rows(rows, weight, eps):
     """Each row of rows (fp32 [N, D]) replaced in place by its RMSNorm times weight (fp32 [D]), in fp32: torch's
@@ -688,147 +626,6 @@ def bf16_product(code, q, scale, x):
     matrix_rows(code, q, scale, x, out)
     round_bf16(out.reshape(-1))
     return out
-
-
-@njit(cache=True)
-def sparse_moe_step(router_q, mix_q, no_scale, code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale,
-                    routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, x_bits, out):
-    """A Qwen3.5 sparse MoE block's decoding step (moe_step) for the bf16 rows of x_bits (int16 [T, H]) into out
-    (int16 [T, H], bf16)."""
-    bf16_bits(moe_step(router_q, mix_q, no_scale, code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale,
-                       routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, bf16_rows(x_bits)), out)
-
-
-@njit(cache=True)
-def moe_step(router_q, mix_q, no_scale, code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale,
-             routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, x):
-    """A Qwen3.5 sparse MoE block's decoding step (models/qwen3_5/text.py, SparseMoE.forward) for rows x (fp32 [T, H]
-    holding bf16 values), returned as fp32 [T, H] holding bf16 values: the router's product and the shared expert's
-    mixing weight (router_q, mix_q: bf16 [1, 1, rows, H], no_scale their empty scale), the top-k softmax routing, the
-    routed experts (routed_step with routed_code's arrays) and the shared expert (gate, up, down in `code`'s format)
-    scaled by the sigmoid of its mixing weight. Each intermediate is rounded to bf16 where torch's bf16 path rounds
-    it, so the step returns what that path returns with the dense and routed kernels, up to fp32 rounding."""
-    tokens = x.shape[0]
-    logits = bf16_product(BF16, router_q, no_scale, x)
-    mix = bf16_product(BF16, mix_q, no_scale, x)
-    gate = bf16_product(code, gate_q, gate_scale, x)
-    up = bf16_product(code, up_q, up_scale, x)
-    # the top-k logits (the first of equal ones) and their softmax, rounded to bf16
-    experts = logits.shape[1]
-    ids = np.empty((tokens, top_k), np.int64)
-    weights = np.empty((tokens, top_k), np.float32)
-    for t in range(tokens):
-        taken = np.zeros(experts, np.bool_)
-        for j in range(top_k):
-            best = -1
-            for e in range(experts):
-                if not taken[e] and (best < 0 or logits[t, e] > logits[t, best]):
-                    best = e
-            taken[best] = True
-            ids[t, j] = best
-        total = np.float32(0.0)
-        for j in range(top_k):
-            weights[t, j] = np.exp(logits[t, ids[t, j]] - logits[t, ids[t, 0]])
-            total += weights[t, j]
-        for j in range(top_k):
-            weights[t, j] /= total
-    round_bf16(weights.reshape(-1))
-    routed = np.zeros(x.shape, np.float32)
-    routed_step(routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, routed)
-    round_bf16(routed.reshape(-1))
-    # the shared expert: SiLU(gate) rounded, times up rounded, down; times the sigmoid of its mixing weight (each
-    # step in place, rounded where torch rounds it)
-    act = gate.reshape(-1)  # gate's own storage: gate [T, I] becomes the activation
-    for k in range(act.shape[0]):
-        act[k] = act[k] / (1 + np.exp(-act[k]))
-    round_bf16(act)
-    act *= up.reshape(-1)
-    round_bf16(act)
-    shared = bf16_product(code, down_q, down_scale, gate)
-    mix_weight = mix.reshape(-1)  # [T]
-    for t in range(tokens):
-        mix_weight[t] = 1 / (1 + np.exp(-mix_weight[t]))
-    round_bf16(mix_weight)
-    for t in range(tokens):
-        shared[t] *= mix_weight[t]
-    round_bf16(shared.reshape(-1))
-    shared += routed
-    round_bf16(shared.reshape(-1))
-    return shared
-
-
-@njit(cache=True)
-def deltanet_layer_step(in_norm, post_norm, norm_eps, code, qkv_q, qkv_scale, z_q, z_scale, b_q, a_q, out_q,
-                        out_scale, conv_w, a_log, dt_bias, gate_norm, key_heads, router_q, mix_q, no_scale,
-                        shared_code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale, routed_code, inter, gu_q,
-                        gu_scale, dn_q, dn_scale, top_k, history, state, x_bits, out):
-    """A Qwen3.5 Gated DeltaNet decoder layer's decoding step (models/qwen3_5/text.py, DecoderLayer.forward) for the
-    bf16 rows of x_bits (int16 [T, H]) into out (int16 [T, H], bf16): the input norm (in_norm, its scale with the
-    offset added), the input projections (qkv and z in `code`'s format, b and a bf16 with no_scale), the DeltaNet step
-    (gated_delta_step on history and state, updated; its gated norm's weight gate_norm and eps norm_eps), the output
-    projection (`code`'s format), then residual_moe. Each intermediate is rounded to bf16 where the layer's path with
-    the separate kernels rounds it, so the step returns what that path returns."""
-    x = bf16_rows(x_bits)
-    h = normed_bf16(x, in_norm, norm_eps)
-    qkv = bf16_product(code, qkv_q, qkv_scale, h)
-    z = bf16_product(code, z_q, z_scale, h)
-    beta = bf16_product(BF16, b_q, no_scale, h)
-    a = bf16_product(BF16, a_q, no_scale, h)
-    mixed = np.empty(z.shape, np.float32)
-    gated_delta_step(qkv, z, beta, a, conv_w, history, a_log, dt_bias, gate_norm, norm_eps, key_heads, state, mixed)
-    round_bf16(mixed.reshape(-1))
-    residual_moe(x, bf16_product(code, out_q, out_scale, mixed), post_norm, norm_eps, router_q, mix_q, no_scale,
-                 shared_code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale, routed_code, inter, gu_q,
-                 gu_scale, dn_q, dn_scale, top_k, out)
-
-
-@njit(cache=True)
-def attention_layer_step(in_norm, post_norm, norm_eps, code, q_q, q_scale, k_q, k_scale, v_q, v_scale, o_q, o_scale,
-                         q_norm, k_norm, heads, router_q, mix_q, no_scale, shared_code, gate_q, gate_scale, up_q,
-                         up_scale, down_q, down_scale, routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, cos,
-                         sin, keys, values, start, x_bits, out):
-    """A Qwen3.5 gated full-attention decoder layer's decoding step (DecoderLayer.forward with models/layers.py's
-    Attention, output_gate) for the bf16 rows of x_bits (int16 [T, H]) into out (int16 [T, H], bf16): the input norm,
-    the q (each head's queries, then its gate channels), k and v projections (`code`'s format), the per-head norms
-    (q_norm, k_norm: scales with the offset added), the rotary embedding of the first cos.shape[1] channels (cos, sin
-    [T, rotary_dim] fp32), the new key and value stored at token `start` of keys and values (bf16 bit patterns
-    [T, kv_heads, max_len, head_dim]), attention over the tokens up to it, the sigmoid gate, the output projection,
-    then residual_moe. Intermediates are rounded to bf16 where the layer's path rounds them; attention sums in fp32 in
-    its own order (torch's attention too rounds only its output)."""
-    x = bf16_rows(x_bits)
-    tokens = x.shape[0]
-    kv_heads, head_dim = keys.shape[1], keys.shape[3]
-    group = heads // kv_heads
-    h = normed_bf16(x, in_norm, norm_eps)
-    q_gate = bf16_product(code, q_q, q_scale, h)  # [T, heads * 2 * head_dim]
-    q = np.empty((tokens * heads, head_dim), np.float32)
-    gate = np.empty((tokens, heads * head_dim), np.float32)
-    for t in range(tokens):
-        for i in range(heads):
-            q[t * heads + i] = q_gate[t, 2 * i * head_dim:(2 * i + 1) * head_dim]
-            gate[t, i * head_dim:(i + 1) * head_dim] = q_gate[t, (2 * i + 1) * head_dim:(2 * i + 2) * head_dim]
-    k = bf16_product(code, k_q, k_scale, h).reshape(tokens * kv_heads, head_dim)
-    v = bf16_product(code, v_q, v_scale, h)
-    for rows, scale, per_token in ((q, q_norm, heads), (k, k_norm, kv_heads)):
-        rms_norm_rows(rows, scale, norm_eps)
-        round_bf16(rows.reshape(-1))
-        rotate_half(rows, cos, sin, per_token)
-        round_bf16(rows.reshape(-1))
-    for t in range(tokens):
-        keys[t, :, start] = bf16_half_bits(k[t * kv_heads:(t + 1) * kv_heads])
-        values[t, :, start] = bf16_half_bits(v[t].reshape(kv_heads, head_dim))
-    mixed = np.empty((tokens, heads * head_dim), np.float32)
-    attend_cached(q, keys, values, start + 1, group, mixed)
-    round_bf16(mixed.reshape(-1))
-    for t in range(tokens):  # the gate: sigmoid rounded, the product rounded
-        for c in range(heads * head_dim):
-            gate[t, c] = np.float32(1.0) / (np.float32(1.0) + np.exp(-gate[t, c]))
-    round_bf16(gate.reshape(-1))
-    mixed *= gate
-    round_bf16(mixed.reshape(-1))
-    residual_moe(x, bf16_product(code, o_q, o_scale, mixed), post_norm, norm_eps, router_q, mix_q, no_scale,
-                 shared_code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale, routed_code, inter, gu_q,
-                 gu_scale, dn_q, dn_scale, top_k, out)
 
 
 @njit(cache=True)
@@ -956,16 +753,3 @@ def weighted_sum(weights, tile, out):
         for g in range(out.shape[0]):
             for d in range(out.shape[1]):
                 out[g, d] += weights[g, j] * tile[j, d]
-
-
-@njit(cache=True)
-def residual_moe(x, mixed, post_norm, norm_eps, router_q, mix_q, no_scale, shared_code, gate_q, gate_scale, up_q,
-                 up_scale, down_q, down_scale, routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, out):
-    """The second half of a Qwen3.5 MoE decoder layer's decoding step: the residual x + mixed (x, mixed: fp32 [T, H]
-    holding bf16 values; x is overwritten), the post-attention norm, the MoE block (moe_step's arguments) and the
-    residual, rounded to bf16 into out (int16 [T, H])."""
-    x += mixed
-    round_bf16(x.reshape(-1))
-    x += moe_step(router_q, mix_q, no_scale, shared_code, gate_q, gate_scale, up_q, up_scale, down_q, down_scale,
-                  routed_code, inter, gu_q, gu_scale, dn_q, dn_scale, top_k, normed_bf16(x, post_norm, norm_eps))
-    bf16_bits(x, out)
