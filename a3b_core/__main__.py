@@ -120,7 +120,7 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense-format", default="auto", choices=DENSE_FORMATS,
                         help="format of the dense matrices (attention, DeltaNet, shared experts, lm_head) when the "
                              "CPU computes them: auto keeps the compute dtype; int8 / int4 hold them weight-only "
-                             "quantised (~0.5x / ~0.28x of bf16, at some accuracy cost)")
+                             "quantized (~0.5x / ~0.28x of bf16, at some accuracy cost)")
     parser.add_argument("--kv-cache", default="auto", choices=KV_FORMATS)
     parser.add_argument("--max-context", type=int, default=None, help="tokens (default: the preset's)")
 
@@ -194,7 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.set_defaults(run=cmd_plan)
 
-    inspect = commands.add_parser("inspect", help="summarise a model folder's config and tensors")
+    inspect = commands.add_parser("inspect", help="summarize a model folder's config and tensors")
     inspect.add_argument("model", help=MODEL_HELP)
     inspect.set_defaults(run=cmd_inspect)
 

@@ -4,14 +4,14 @@ A Qwen3.5-MoE text model (1.82 B parameters, ~0.38 B active per token) in the of
 (`model.layers.{i}.mlp.experts.gate_up_proj [E, 2I, H]`, `down_proj [E, H, I]`; `linear_attn.A_log` and
 `linear_attn.norm.weight` in fp32 as the release stores them), `Qwen3_5MoeForCausalLM` in config.json. That layout
 loads in our engine, in transformers and in llama.cpp's converter alike. Weights come from transformers' own
-initialiser (seeded), so norms, decay rates and routers have their intended ranges. There is no tokenizer: every
+initializer (seeded), so norms, decay rates and routers have their intended ranges. There is no tokenizer: every
 system is fed token ids.
 
 A second folder holds the same weights in the official FP8 release layout (per-expert e4m3 experts, 128x128 block
 scales), for our engine's FP8-stored experts.
 
 A third, for image benchmarks, is the same text model under a vision tower: the release's tower shape per block
-(hidden 1152, 16 heads, MLP 4304, patch 16, merge 2) but VISION_BLOCKS blocks, randomly initialised, in the
+(hidden 1152, 16 heads, MLP 4304, patch 16, merge 2) but VISION_BLOCKS blocks, randomly initialized, in the
 Qwen3_5MoeForConditionalGeneration layout, with the demo model's tokenizer (whose ids fit the vocabulary) so captions
 can be asked for in text.
 
@@ -235,7 +235,7 @@ def write_vl_checkpoint(folder: Path, text_values: dict, seed: int = 0) -> None:
 
 
 def write_fp8_checkpoint(source: Path, folder: Path) -> None:
-    """The BF16 checkpoint's weights quantised as the official FP8 release stores them (128x128 blocks)."""
+    """The BF16 checkpoint's weights quantized as the official FP8 release stores them (128x128 blocks)."""
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file

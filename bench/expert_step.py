@@ -35,8 +35,8 @@ HIDDEN, INTER, EXPERTS, TOP_K, LAYERS = 1024, 512, 64, 8, 16
 
 def random_store(fmt: str, g: torch.Generator) -> QuantizedExperts | CpuFloatExperts:
     """A layer's experts in `fmt` with random contents; bf16 as loading places float experts on the CPU. int8 and int4
-    are random valid codes and scales (quantising real matrices would take minutes and read no differently). FP8 is
-    random matrices quantised as the released checkpoints are (128x128 blocks, the largest code near 448): uniform
+    are random valid codes and scales (quantizing real matrices would take minutes and read no differently). FP8 is
+    random matrices quantized as the released checkpoints are (128x128 blocks, the largest code near 448): uniform
     random bytes would make 1 code in 16 subnormal, against about 1 in 10,000 in a real checkpoint, and subnormal
     weights take microcode assists on Intel CPUs."""
     if fmt == "bf16":

@@ -84,7 +84,7 @@ def gguf_files(tree: Path, model_dir: Path, types: list[str], threads: int) -> d
         partial.rename(bf16)
     for kind, path in files.items():
         if not path.is_file():
-            print(f"[bench] quantising to {kind}: {path}", flush=True)
+            print(f"[bench] quantizing to {kind}: {path}", flush=True)
             partial = path.with_suffix(".partial")
             run_logged([str(binary(tree, "llama-quantize")), str(bf16), str(partial), kind.upper(), str(threads)],
                        out_dir / f"quantize-{kind}.log")

@@ -1,5 +1,5 @@
-"""What writing a quantised matrix's prefill weights in bf16 is worth: one loaded bench model prefills the same prompt
-with the dequantising kernel writing bf16 weights (what loading does where oneDNN multiplies bf16) and writing fp32
+"""What writing a quantized matrix's prefill weights in bf16 is worth: one loaded bench model prefills the same prompt
+with the dequantizing kernel writing bf16 weights (what loading does where oneDNN multiplies bf16) and writing fp32
 weights that torch's product then converts, in interleaved rounds; medians of seconds per prefill, and each as a
 multiple of the fp32 weights' time.
 
@@ -41,7 +41,7 @@ def main() -> None:
                          lambda: model.generate(prompt, max_new_tokens=1, temperature=0))
     print(f"experts {args.experts}, dense {args.dense_format}, {args.threads} threads, {args.prefill}-token prefill, "
           f"{args.rounds} rounds (medians)")
-    print_medians(times, "dequantised weights", "s per prefill", "fp32 weights")
+    print_medians(times, "dequantized weights", "s per prefill", "fp32 weights")
 
 
 if __name__ == "__main__":

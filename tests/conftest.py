@@ -7,7 +7,7 @@ from tests.tiny_models import Fixtures, build_fixtures
 
 @pytest.fixture(scope="session", autouse=True)
 def expert_cache(tmp_path_factory):
-    """Quantised-expert caches go to a temporary folder, never the user's ~/.cache/a3b-nodes; set in os.environ so
+    """Quantized-expert caches go to a temporary folder, never the user's ~/.cache/a3b-nodes; set in os.environ so
     the ComfyUI servers the tests start inherit it too."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("A3B_CACHE_DIR", str(tmp_path_factory.mktemp("a3b-cache")))

@@ -9,7 +9,7 @@ for models too big to hold (the real 35B's shapes); prompts and other bookkeepin
 
 Reading a CUDA tensor's values on the host (`.tolist()`, `.item()`, `bool()`, a copy to the CPU) has no data to give:
 the stand-in answers ones of the right shape (valid ids, finite flags set) and counts the read in `host_reads`, so a test can bound the
-device->host synchronisations per token. `memory` tracks the bytes of live CUDA storages and their peak (the
+device->host synchronizations per token. `memory` tracks the bytes of live CUDA storages and their peak (the
 allocations torch's CUDA allocator would hold, without its caching slack). Attention on the stand-in GPU allocates
 what a fused kernel does, its output: CUDA GPUs run the engine's attention calls in fused kernels (flash for a whole
 prompt, memory-efficient for masked calls, which takes any head size that is a multiple of 8); bench/gpu_check.py

@@ -1,4 +1,4 @@
-"""Checkpoint reading: headers, shards, FP8 dequantisation, and every way a folder can be broken."""
+"""Checkpoint reading: headers, shards, FP8 dequantization, and every way a folder can be broken."""
 import json
 import struct
 
@@ -111,7 +111,7 @@ def test_symlink_outside_folder_is_refused(tmp_path):
         Checkpoint(model)
 
 
-def fp8_quantise(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+def fp8_quantize(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
     rows, cols = w.shape
     grid = (-(-rows // block), -(-cols // block))
     scale = torch.empty(grid)
@@ -127,7 +127,7 @@ def fp8_quantise(w: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, torch
 def test_fp8_block_dequant_uses_ceil_div_blocks(tmp_path, scale_dtype):
     # 200 x 300 is not a multiple of 128: edge blocks are partial (transformers' rows // scale_rows gets this wrong)
     w = torch.randn(200, 300)
-    q, scale = fp8_quantise(w)
+    q, scale = fp8_quantize(w)
     save_file({"m.weight": q, "m.weight_scale_inv": scale.to(scale_dtype)}, tmp_path / "model.safetensors")
     got = Checkpoint(tmp_path).weight("m.weight")
     expected = q.float() * scale.to(scale_dtype).float().repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :300]

@@ -19,11 +19,11 @@ pytestmark = pytest.mark.skipif(compiled_kernels() is None, reason="numba is not
 
 EXPERTS, HIDDEN, INTER = 6, 256, 128
 # Stated bounds, as a fraction of the largest |output|: the kernel against the fp64 step over the store's own
-# dequantised weights (fp32 sums), and against torch's path, which rounds activations and products to bf16.
+# dequantized weights (fp32 sums), and against torch's path, which rounds activations and products to bf16.
 EXACT_BOUND = 1e-5
 # int4 and int8 rows are multiplied by int16 codes of the activations (cpu_kernels.coded_groups): each input is off by
 # at most 1/65534 of its group's largest |x|. Measured 6e-5 here, where the formats' own rounding of the weights is
-# 1.3e-2 (int8) and 0.26 (int4) against the unquantised weights.
+# 1.3e-2 (int8) and 0.26 (int4) against the unquantized weights.
 CODES_BOUND = 2e-4
 TORCH_PATH_BOUND = 2e-2
 
@@ -34,7 +34,7 @@ def step_bound(fmt: str) -> float:
 
 
 def make_store(fmt: str) -> QuantizedExperts | CpuFloatExperts:
-    """A layer's experts in `fmt`: a quantised store, or bf16 float experts as loading places them on the CPU."""
+    """A layer's experts in `fmt`: a quantized store, or bf16 float experts as loading places them on the CPU."""
     g = torch.Generator().manual_seed(0)
     if fmt == "bf16":
         return CpuFloatExperts(*(torch.nn.Parameter(torch.randn(shape, generator=g).bfloat16() * 0.05)
@@ -110,8 +110,8 @@ def test_a_rows_result_does_not_depend_on_the_other_rows(threads, fmt):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8", "bf16"])
 def test_prefill_multiplies_the_stores_own_weights(fmt, one_thread):
-    """Prefill (many rows): bf16 experts take the store's products; quantised ones take torch's fp32 product of
-    the kernel's dequantised matrices, which are the store's own to the bit."""
+    """Prefill (many rows): bf16 experts take the store's products; quantized ones take torch's fp32 product of
+    the kernel's dequantized matrices, which are the store's own to the bit."""
     store = make_store(fmt)
     rows = 12
     x = torch.randn(rows, HIDDEN, generator=torch.Generator().manual_seed(2))
@@ -146,7 +146,7 @@ def kernel_stores(model) -> int:
     return sum(isinstance(m, KernelExperts) for m in model.text.modules())
 
 
-# Whole tiny models (4 layers, logit std 0.57), kernel against torch's path on the same quantised weights, fp32
+# Whole tiny models (4 layers, logit std 0.57), kernel against torch's path on the same quantized weights, fp32
 # compute: the largest |logit difference| for two one-token prompts (a decoding step of two rows), and greedy decoding.
 # Measured: int8 0.018-0.026, int4 0.022 (torch's int8 and int4 kernels take bf16 activations, and torch's int4
 # packing rounds the scales and minimums to bf16), fp8 below 1e-4. In greedy decoding int4's kernel picks a token
@@ -244,7 +244,7 @@ def test_every_fp8_code_reads_as_torchs_e4m3(one_thread):
 
 def test_fp8_partial_scale_blocks(one_thread):
     """FP8 matrices whose sides are not multiples of 128 (the last scale block partial in both directions): the routed
-    step and the dequantised matrices equal the store's own weights, as whole blocks do."""
+    step and the dequantized matrices equal the store's own weights, as whole blocks do."""
     hidden, inter = 200, 72  # gate_up [144, 200]: one whole block and a partial one; down [200, 72]: one partial
     g = torch.Generator().manual_seed(3)
     store = QuantizedExperts("fp8", EXPERTS, hidden, inter)
@@ -305,8 +305,8 @@ def rows_compiled_at(lanes: int, fmt: int, monkeypatch):
 @pytest.mark.parametrize("lanes", [32, 16, 0])
 @pytest.mark.parametrize("inputs", [256, 192, 96])  # groups of 128, 64 and 32 inputs
 def test_int4_rows_at_each_group_size_and_vector_width(inputs, lanes, monkeypatch):
-    """int4 rows against fp64 over their dequantised weights, for each group size and each code of the products:
-    pmaddwd on 32 lanes (AVX-512) or 16 (AVX2), or LLVM's vectorising of the plain loop. A row of nibbles of 15 times
+    """int4 rows against fp64 over their dequantized weights, for each group size and each code of the products:
+    pmaddwd on 32 lanes (AVX-512) or 16 (AVX2), or LLVM's vectorizing of the plain loop. A row of nibbles of 15 times
     activations coded as 32767 sums without overflow."""
     rows = rows_compiled_at(lanes, FORMAT_CODES["int4"], monkeypatch)
     g = torch.Generator().manual_seed(3)
@@ -332,7 +332,7 @@ def test_int8_rows_at_each_vector_width(inputs, lanes, monkeypatch):
     rows = rows_compiled_at(lanes, FORMAT_CODES["int8"], monkeypatch)
     g = torch.Generator().manual_seed(4)
     weights = torch.randn(24, inputs, generator=g)
-    weights[-2], weights[-1] = 1.0, -1.0  # quantised to rows of 127 and of -127
+    weights[-2], weights[-1] = 1.0, -1.0  # quantized to rows of 127 and of -127
     stack = QuantizedExperts("int8", 1, inputs, 12).gate_up_proj
     stack.set(0, weights)
     q, scale = kernel_arrays(stack)

@@ -1,4 +1,4 @@
-"""dense_format int8 / int4: the text model's dense matrices on the CPU held weight-only quantised (backends/dense.py):
+"""dense_format int8 / int4: the text model's dense matrices on the CPU held weight-only quantized (backends/dense.py):
 which modules are swapped, their bytes, their error against the fp32 model, the plan, and the GPU refusal."""
 import pytest
 import torch
@@ -19,7 +19,7 @@ FLOAT_LEAVES = {"gate", "shared_expert_gate", "in_proj_a", "in_proj_b"}  # route
 # Stated bounds against the fp32 model (tiny random checkpoints, logits' spread max - min ~3.4 per token): the mean
 # |logit error| and the worst logit. Measured on the MoE (bf16 release / FP8 release) and the dense model:
 # int8 mean 0.053 / 0.036 / 0.019, max 1.49 / 1.13 / 0.16; int4 mean 0.37 / 0.37 / 0.25, max 2.49 / 2.67 / 1.92.
-# The MoE's worst logit is a flipped router choice moving a whole row (as with quantised experts, test_experts.py);
+# The MoE's worst logit is a flipped router choice moving a whole row (as with quantized experts, test_experts.py);
 # the dense model has no router, so its worst logit is bounded tighter.
 LOGIT_BOUNDS = {"int8": (0.1, 2.5), "int4": (0.6, 4.0)}
 DENSE_MODEL_MAX = {"int8": 0.4, "int4": 3.0}
@@ -40,7 +40,7 @@ def test_dense_quantised_logits_stay_within_bounds(fixtures, one_thread, folder,
     mean_bound, max_bound = LOGIT_BOUNDS[fmt]
     max_bound = DENSE_MODEL_MAX[fmt] if folder == fixtures.dense else max_bound
     assert err.mean() < mean_bound and err.max() < max_bound
-    assert err.max() > 0  # the option changes the numbers: the matrices really are quantised
+    assert err.max() > 0  # the option changes the numbers: the matrices really are quantized
 
 
 def test_dense_int8_greedy_tokens_are_the_references_or_near_ties(fixtures, one_thread):
@@ -66,9 +66,9 @@ def test_exactly_the_dense_matrices_are_swapped(fixtures, one_thread, fmt):
             if kind == "full_attention" else [f"layers.{i}.linear_attn.{p}" for p in ("in_proj_qkv", "in_proj_z",
                                                                                       "out_proj")]
         want |= {*mixer, *(f"layers.{i}.mlp.shared_expert.{p}" for p in ("gate_proj", "up_proj", "down_proj"))}
-    quantised = swapped(model)
-    assert set(quantised) == want
-    assert all(m.fmt == fmt for m in quantised.values())
+    quantized = swapped(model)
+    assert set(quantized) == want
+    assert all(m.fmt == fmt for m in quantized.values())
     for name, module in model.text.named_modules():
         if name.rpartition(".")[2] in FLOAT_LEAVES:  # routers and gates: plain Linears in the compute dtype
             assert not isinstance(module, QuantizedLinear) and module.weight.dtype == torch.bfloat16, name
@@ -98,15 +98,15 @@ def test_auto_keeps_the_dense_parts_as_loaded(fixtures, one_thread):
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_plan_counts_dense_parts_at_their_quantised_size(fixtures, fmt):
     auto = plan_for_folder(fixtures.moe_fused_bf16, "cpu", compute_format="bf16")
-    quantised = plan_for_folder(fixtures.moe_fused_bf16, "cpu", compute_format="bf16", dense_format=fmt)
-    assert f"dense {fmt} on cpu" in quantised.summary()
+    quantized = plan_for_folder(fixtures.moe_fused_bf16, "cpu", compute_format="bf16", dense_format=fmt)
+    assert f"dense {fmt} on cpu" in quantized.summary()
     sizes = {p.name: p for p in auto.parts}
     low, high = BYTES_VS_BF16[fmt]
     for name in ("lm_head", "mixers", "shared_experts"):
-        part = next(p for p in quantised.parts if p.name == name)
+        part = next(p for p in quantized.parts if p.name == name)
         assert part.format == fmt and low <= part.bytes / sizes[name].bytes <= high + 0.03, name  # + fp32 vectors
-    for name in ("routers", "embed_tokens", "norms", "vision"):  # not quantised: as in the auto plan
-        assert next(p for p in quantised.parts if p.name == name) == sizes[name]
+    for name in ("routers", "embed_tokens", "norms", "vision"):  # not quantized: as in the auto plan
+        assert next(p for p in quantized.parts if p.name == name) == sizes[name]
 
 
 def test_loaded_quantised_bytes_match_the_plan(fixtures, one_thread):

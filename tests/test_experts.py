@@ -1,4 +1,4 @@
-"""Routed-expert storage formats: kernels vs their own dequantised weights, error bounds, memory, disk cache."""
+"""Routed-expert storage formats: kernels vs their own dequantized weights, error bounds, memory, disk cache."""
 import os
 import subprocess
 import sys
@@ -15,7 +15,7 @@ from a3b_core.formats.stores import QuantizedStack
 FORMAT_BYTES_VS_BF16 = {"int8": (0.49, 0.52), "int4": (0.26, 0.29), "fp8": (0.49, 0.52)}
 
 
-@pytest.mark.parametrize("rows", [5, 40])  # int8 switches from torch's kernel to dequantise-then-multiply at 32
+@pytest.mark.parametrize("rows", [5, 40])  # int8 switches from torch's kernel to dequantize-then-multiply at 32
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_stack_matmul_matches_its_dequantised_weights(fmt, rows):
     torch.manual_seed(0)
@@ -33,7 +33,7 @@ def test_stack_matmul_matches_its_dequantised_weights(fmt, rows):
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_a_matrix_set_in_row_parts_is_stored_as_set_whole(fmt):
-    """QuantizedLinear quantises a large matrix (an lm_head) a part at a time; 320 rows: two whole parts and a tail."""
+    """QuantizedLinear quantizes a large matrix (an lm_head) a part at a time; 320 rows: two whole parts and a tail."""
     torch.manual_seed(0)
     w = torch.randn(320, 256) * 0.05
     whole, parts = QuantizedStack(fmt, (1, 320, 256)), QuantizedStack(fmt, (1, 320, 256))
@@ -55,7 +55,7 @@ def test_expert_bytes_relative_to_bf16(fmt):
     assert low <= ratio <= high
 
 
-# Stated bounds: mean |logit error| of quantised routed experts against the fp32 model (tiny random MoE, logit std
+# Stated bounds: mean |logit error| of quantized routed experts against the fp32 model (tiny random MoE, logit std
 # 0.57; measured 0.007 bf16 experts, 0.024 int8, 0.23 int4 with 128-wide groups, and 0.17 for the whole FP8 release
 # with its fp8 dense matrices), and the worst token (a flipped router choice moves a whole row).
 LOGIT_BOUNDS = {"bf16": (0.02, 1.0), "fp8": (0.25, 2.5), "int8": (0.05, 2.0), "int4": (0.35, 3.0)}

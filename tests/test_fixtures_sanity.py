@@ -1,4 +1,4 @@
-"""Checks of the fixture builder itself: the release layouts, the FP8 quantisation and the reference outputs."""
+"""Checks of the fixture builder itself: the release layouts, the FP8 quantization and the reference outputs."""
 import json
 import math
 import re
@@ -149,7 +149,7 @@ def test_fp8_folder_quantises_exactly_the_release_matrices(fixtures: Fixtures):
     assert not any(name.endswith(("experts.gate_up_proj", "experts.down_proj")) for name in tensors)
     for name, value in tensors.items():
         if name in bf16 and name not in scales:
-            assert torch.equal(value, bf16[name]), name  # everything unquantised is the bf16 release, bit for bit
+            assert torch.equal(value, bf16[name]), name  # everything unquantized is the bf16 release, bit for bit
     quant = json.loads((fixtures.moe_fp8 / "config.json").read_text())["quantization_config"]
     assert (quant["quant_method"], quant["fmt"], quant["activation_scheme"], quant["weight_block_size"]) == \
         ("fp8", "e4m3", "dynamic", [128, 128])
@@ -174,7 +174,7 @@ def test_fp8_dequantisation_stays_within_e4m3_rounding_of_the_bf16_weights(fixtu
         # e4m3 keeps 3 mantissa bits (relative error <= 1/16); subnormals have a fixed step of 2^-9 (half: 2^-10).
         bound = original.abs() / 16 + step * 2.0 ** -10
         assert ((restored - original).abs() <= bound * 1.0001).all(), weight_name
-        assert (restored - original).abs().max() > 0, weight_name  # the quantisation really changed something
+        assert (restored - original).abs().max() > 0, weight_name  # the quantization really changed something
 
 
 def test_bf16_folder_loaded_by_name_reproduces_the_references(fixtures: Fixtures):
@@ -253,7 +253,7 @@ def test_router_and_greedy_choices_are_decisive(fixtures: Fixtures):
 
 
 def test_transformers_own_fp8_loader_reproduces_the_fp8_references(fixtures: Fixtures):
-    """A second oracle: transformers reads the FP8 folder as an official FP8 release and dequantises it itself."""
+    """A second oracle: transformers reads the FP8 folder as an official FP8 release and dequantizes it itself."""
     from transformers import AutoModelForImageTextToText, FineGrainedFP8Config
     model = AutoModelForImageTextToText.from_pretrained(
         fixtures.moe_fp8, attn_implementation="eager", dtype=torch.float32,

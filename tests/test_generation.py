@@ -124,8 +124,8 @@ def test_presence_penalty_applies_to_greedy_when_asked(model, fixtures):
     ids = fixtures.refs(fixtures.moe_hf)["gen_text.prompt_ids"][0]
     plain = generate(model, ids, max_new_tokens=GEN_TOKENS, temperature=0)
     assert len(set(plain.token_ids)) < GEN_TOKENS  # the greedy output repeats a token...
-    penalised = generate(model, ids, max_new_tokens=GEN_TOKENS, temperature=0, presence_penalty=100.0)
-    assert len(set(penalised.token_ids)) == GEN_TOKENS  # ...which a huge presence penalty forbids
+    penalized = generate(model, ids, max_new_tokens=GEN_TOKENS, temperature=0, presence_penalty=100.0)
+    assert len(set(penalized.token_ids)) == GEN_TOKENS  # ...which a huge presence penalty forbids
 
 
 # ---------------------------------------------------------------------------------------------- int8 cache

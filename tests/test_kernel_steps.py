@@ -51,22 +51,22 @@ def test_dense_products_equal_the_exact_product(rows, one_thread):
     parts = fused(x)
     assert [p.shape[-1] for p in parts] == [100, 200] and relative_error(torch.cat(parts, -1), want) < EXACT_BOUND
     for fmt, inputs in (("int8", 256), ("int4", 256), ("int4", 96)):  # int4 groups of 128, and of 32
-        quantised = QuantizedLinear(fmt, weight[:, :inputs].float())
-        quantised.rows_kernel = DenseKernel(fmt, quantised.matrix, compiled_kernels())
-        exact = x[..., :inputs].double() @ quantised.matrix.dequantize(0).double().t()
-        assert relative_error(quantised(x[..., :inputs]), exact) < step_bound(fmt)
+        quantized = QuantizedLinear(fmt, weight[:, :inputs].float())
+        quantized.rows_kernel = DenseKernel(fmt, quantized.matrix, compiled_kernels())
+        exact = x[..., :inputs].double() @ quantized.matrix.dequantize(0).double().t()
+        assert relative_error(quantized(x[..., :inputs]), exact) < step_bound(fmt)
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])
 def test_quantised_products_of_many_rows_use_the_dequantised_weights(fmt, one_thread):
-    """A prefill's rows: torch's fp32 product of the kernel's dequantised matrix (the store's own weights)."""
+    """A prefill's rows: torch's fp32 product of the kernel's dequantized matrix (the store's own weights)."""
     g = torch.Generator().manual_seed(0)
-    quantised = QuantizedLinear(fmt, torch.randn(300, 256, generator=g))
-    quantised.rows_kernel = DenseKernel(fmt, quantised.matrix, compiled_kernels())
+    quantized = QuantizedLinear(fmt, torch.randn(300, 256, generator=g))
+    quantized.rows_kernel = DenseKernel(fmt, quantized.matrix, compiled_kernels())
     x = torch.randn(2, 5, 256, generator=g)
-    got = quantised(x)
+    got = quantized(x)
     assert got.shape == (2, 5, 300)
-    assert relative_error(got, x.double() @ quantised.matrix.dequantize(0).double().t()) < EXACT_BOUND
+    assert relative_error(got, x.double() @ quantized.matrix.dequantize(0).double().t()) < EXACT_BOUND
 
 
 def test_a_dense_rows_result_does_not_depend_on_the_other_row(one_thread):
@@ -134,7 +134,7 @@ def test_deltanet_step_leaves_a_fake_cache_to_torch():
 
 @pytest.mark.parametrize("offset", [0.0, 1.0])
 def test_norm_kernel_rounds_torchs_norm(offset, one_thread):
-    """A decoding step's bf16 rows (a layer's [B, 1, H], a head norm's [B, 1, heads, D]) normalise to torch's result
+    """A decoding step's bf16 rows (a layer's [B, 1, H], a head norm's [B, 1, heads, D]) normalize to torch's result
     within one bf16 rounding; other dtypes and a prefill's rows keep torch's norm."""
     g = torch.Generator().manual_seed(0)
     norm = RMSNorm(96, 1e-6, offset)
@@ -283,8 +283,8 @@ def test_kernels_skip_fp32_models_and_small_matrices(fixtures, monkeypatch):
     assert kernels_enabled()
     assert not attached(load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32"))
     fp32_int4 = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="float32", dense_format="int4")
-    quantised = [m for m in fp32_int4.text.modules() if isinstance(m, QuantizedLinear)]
-    assert quantised and all(isinstance(m.matrix, TorchInt4Stack) for m in quantised)  # no kernel: torch's packing
+    quantized = [m for m in fp32_int4.text.modules() if isinstance(m, QuantizedLinear)]
+    assert quantized and all(isinstance(m.matrix, TorchInt4Stack) for m in quantized)  # no kernel: torch's packing
     model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", dense_format="int8")
     for module in model.text.modules():
         if isinstance(module, QuantizedLinear):

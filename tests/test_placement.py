@@ -58,9 +58,9 @@ def test_inventories_match_the_published_checkpoint():
     params = lambda inv: sum(math.prod(s) for n, (s, _) in inv.items() if not n.endswith("_scale_inv"))
     assert len(bf16) == 1811 and params(bf16) == 35_951_822_704
     assert params(fp8) == 35_951_822_704
-    quantised = [n for n, (_, d) in fp8.items() if d == torch.float8_e4m3fn]
-    assert sum(".experts." in n for n in quantised) == 30720 and sum(".experts." not in n for n in quantised) == 250
-    assert all(n + "_scale_inv" in fp8 for n in quantised)
+    quantized = [n for n, (_, d) in fp8.items() if d == torch.float8_e4m3fn]
+    assert sum(".experts." in n for n in quantized) == 30720 and sum(".experts." not in n for n in quantized) == 250
+    assert all(n + "_scale_inv" in fp8 for n in quantized)
     assert fp8["model.language_model.layers.3.self_attn.q_proj.weight_scale_inv"][0] == (64, 16)
     assert classify("model.language_model.layers.7.mlp.experts.gate_up_proj") == ("experts", 7)
     assert classify("mtp.layers.0.mlp.experts.3.up_proj.weight") == ("mtp", None)
@@ -73,7 +73,7 @@ def test_weight_format_sizes_relative_to_bf16():
     bf16 = tensor_bytes("w", shape, torch.bfloat16, "bf16")
     assert tensor_bytes("w", shape, torch.bfloat16, "int8") / bf16 == pytest.approx(0.5, abs=0.01)
     assert tensor_bytes("w", shape, torch.bfloat16, "int4") / bf16 == pytest.approx(0.281, abs=0.005)  # 0.5 B + 8 B per 128 weights
-    assert tensor_bytes("w_scale_inv", (4, 16), torch.bfloat16, "int8") == 0  # scales go with dequantisation
+    assert tensor_bytes("w_scale_inv", (4, 16), torch.bfloat16, "int8") == 0  # scales go with dequantization
     assert tensor_bytes("norm", (2048,), torch.bfloat16, "bf16") == 2048 * 4  # vectors are kept in fp32
 
 
@@ -105,7 +105,7 @@ def test_fp8_dense_parts_stay_fp8_only_when_bf16_leaves_no_room_for_the_cache():
     assert tight.dense_format == "fp8" and part(tight, "mixers").format == "fp8"
     assert part(tight, "mixers").bytes < 0.55 * part(roomy, "mixers").bytes
     assert tight.max_context == roomy.max_context == 32768 and tight.gpu_bytes <= 5 * GiB
-    assert any("dequantised per use" in note for note in tight.notes)
+    assert any("dequantized per use" in note for note in tight.notes)
 
 
 def test_a_float32_gpu_plan_counts_float32_dense_parts_and_cache():
@@ -193,7 +193,7 @@ def test_explicit_weight_formats():
     kept = plan("fp8", "8gb", weight_format="fp8")
     assert kept.expert_format_cpu == "fp8" and 30 * GiB < part(kept, "routed_experts_cpu").bytes < 30.1 * GiB
     assert part(plan("bf16", "cpu", weight_format="bf16", cpu_free=128 * GiB), "routed_experts_cpu").bytes == 60 * GiB
-    with pytest.raises(PlacementError, match="stores them unquantised"):
+    with pytest.raises(PlacementError, match="stores them unquantized"):
         plan("bf16", "8gb", weight_format="fp8")
 
 
@@ -240,20 +240,20 @@ def test_ram_too_small_for_the_experts_names_what_would_fit():
 
 
 @pytest.mark.parametrize("fmt, ratio", [("int8", 0.51), ("int4", 0.28)])
-def test_dense_format_counts_the_35b_dense_matrices_quantised(fmt, ratio):
+def test_dense_format_counts_the_35b_dense_matrices_quantized(fmt, ratio):
     """A cpu plan of the 35B with dense int8/int4: lm_head, mixers and shared experts shrink to ~0.51x / ~0.28x (their
     fp32 vectors and the kept in_proj_a/b and shared-expert gates stay), routers and embedding as in bf16; the RAM
     total drops by the difference and the summary says so."""
     bf16 = plan("bf16", "cpu", cpu_free=128 * GiB)
-    quantised = plan("bf16", "cpu", cpu_free=128 * GiB, dense_format=fmt)
+    quantized = plan("bf16", "cpu", cpu_free=128 * GiB, dense_format=fmt)
     for name in ("lm_head", "mixers", "shared_experts"):
-        assert part(quantised, name).format == fmt
-        assert part(quantised, name).bytes / part(bf16, name).bytes == pytest.approx(ratio, abs=0.01), name
+        assert part(quantized, name).format == fmt
+        assert part(quantized, name).bytes / part(bf16, name).bytes == pytest.approx(ratio, abs=0.01), name
     for name in ("routers", "embed_tokens", "norms", "routed_experts_cpu"):
-        assert part(quantised, name) == part(bf16, name)
-    saved = sum(part(bf16, n).bytes - part(quantised, n).bytes for n in ("lm_head", "mixers", "shared_experts"))
-    assert bf16.cpu_bytes - quantised.cpu_bytes == saved > (1.5 if fmt == "int8" else 2.2) * GiB
-    assert f"dense {fmt} on cpu" in quantised.summary() and quantised.dense_format == fmt
+        assert part(quantized, name) == part(bf16, name)
+    saved = sum(part(bf16, n).bytes - part(quantized, n).bytes for n in ("lm_head", "mixers", "shared_experts"))
+    assert bf16.cpu_bytes - quantized.cpu_bytes == saved > (1.5 if fmt == "int8" else 2.2) * GiB
+    assert f"dense {fmt} on cpu" in quantized.summary() and quantized.dense_format == fmt
 
 
 @pytest.mark.parametrize("preset", ["8gb", "auto"])

@@ -185,8 +185,8 @@ def test_a_qwen3_5_config_with_deepstack_points_at_qwen3_vl():
 
 def test_the_fp8_releases_fused_experts_are_kept_as_released(vl, tmp_path):
     """weight_format "fp8" keeps each expert's e4m3 matrix and block scales as stored (transposed into the store's
-    [out, in]), and computes what the dequantised checkpoint does. The stored e4m3 values are halved first: then no
-    block reaches e4m3's largest value, so a requantisation would pick other scales (and give itself away)."""
+    [out, in]), and computes what the dequantized checkpoint does. The stored e4m3 values are halved first: then no
+    block reaches e4m3's largest value, so a requantization would pick other scales (and give itself away)."""
     folder = tmp_path / "moe_fp8"
     shutil.copytree(vl.moe_fp8, folder)
     index = json.loads((folder / "model.safetensors.index.json").read_text())

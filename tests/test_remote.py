@@ -218,7 +218,7 @@ def test_a_server_that_never_answers_times_out():
 @pytest.mark.parametrize("given, url", [("http://127.0.0.1:8000", "http://127.0.0.1:8000/v1"),
                                         ("  https://gpu-box:30000/v1/ ", "https://gpu-box:30000/v1"),
                                         ("http://[::1]:8080/api/v1", "http://[::1]:8080/api/v1")])
-def test_base_urls_are_normalised(given, url):
+def test_base_urls_are_normalized(given, url):
     assert checked_base_url(given) == url
 
 

@@ -109,7 +109,7 @@ def test_the_weights_and_the_cache_are_what_the_plan_counts(whole_35b, preset):
 @pytest.mark.parametrize("preset", ["8gb", "48gb"])
 def test_fp8_weights_and_the_cache_are_what_the_plan_counts(cut_35b, preset):
     """The FP8 release (its experts are stored one by one, slow to load as fake tensors), cut to four layers: dense
-    parts dequantised to bf16, FP8 experts on the GPU at 48gb with their block scales."""
+    parts dequantized to bf16, FP8 experts on the GPU at 48gb with their block scales."""
     model, fake = load_on_fake_gpu(cut_35b, "fp8", preset)
     assert model.plan.dense_format == "bf16"
     assert (model.plan.expert_format_gpu, len(model.plan.gpu_expert_layers)) == ("fp8", 4 if preset == "48gb" else 0)

@@ -29,7 +29,7 @@ Folders (each has config.json, tokenizer.json; the VL ones also preprocessor_con
 - dense           Qwen3_5ForConditionalGeneration.save_pretrained (model_type qwen3_5), its own seed, fp32.
 
 References, `refs/<model>.safetensors` (see `Fixtures.refs`; moe_hf and moe_fused_bf16 share `refs/moe.safetensors`;
-moe_fp8's come from the same transformers model with its quantised matrices replaced by their dequantised values).
+moe_fp8's come from the same transformers model with its quantized matrices replaced by their dequantized values).
 All computed in fp32 with eager attention. T is the prompt length, n the number of image tokens (= sum h*w/4).
 Groups present: moe and moe_fp8 and dense: text, image_a, image_b, image_ab, gen_text, gen_image; moe_text: text,
 gen_text.
@@ -106,7 +106,7 @@ PREPROCESSOR = dict(
 
 FP8_BLOCK = 128
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
-# Language-model matrices the official FP8 release quantises; experts get bf16 scales, the rest fp32.
+# Language-model matrices the official FP8 release quantizes; experts get bf16 scales, the rest fp32.
 FP8_EXPERT = re.compile(r"mlp\.experts\.\d+\.(gate|up|down)_proj\.weight$")
 FP8_OTHER = re.compile(r"(self_attn\.[qkvo]_proj|linear_attn\.(in_proj_qkv|in_proj_z|out_proj)"
                        r"|shared_expert\.(gate|up|down)_proj)\.weight$")
@@ -175,7 +175,7 @@ def _fixtures_at(root: Path) -> Fixtures:
                     square_image=root / "refs" / "square_384x384.png", wide_image=root / "refs" / "wide_300x200.png")
 
 
-# ------------------------------------------------------------------------ FP8 block quantisation (ceil-div blocks)
+# ------------------------------------------------------------------------ FP8 block quantization (ceil-div blocks)
 
 def _expand_blocks(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     full = scale.float().repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)
@@ -188,14 +188,14 @@ def quantise_fp8(weight: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.
     block_rows, block_cols = math.ceil(rows / FP8_BLOCK), math.ceil(cols / FP8_BLOCK)
     padded = F.pad(weight.abs().float(), (0, block_cols * FP8_BLOCK - cols, 0, block_rows * FP8_BLOCK - rows))
     absmax = padded.view(block_rows, FP8_BLOCK, block_cols, FP8_BLOCK).amax(dim=(1, 3))
-    # Round the scale to its stored dtype first, so dequantising with the stored scale is what we quantised against.
+    # Round the scale to its stored dtype first, so dequantizing with the stored scale is what we quantized against.
     scale = torch.where(absmax > 0, absmax / FP8_MAX, torch.ones_like(absmax)).to(scale_dtype)
-    quantised = (weight.float() / _expand_blocks(scale, weight.shape)).clamp(-FP8_MAX, FP8_MAX)
-    return quantised.to(torch.float8_e4m3fn), scale
+    quantized = (weight.float() / _expand_blocks(scale, weight.shape)).clamp(-FP8_MAX, FP8_MAX)
+    return quantized.to(torch.float8_e4m3fn), scale
 
 
-def dequantise_fp8(quantised: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    return quantised.float() * _expand_blocks(scale_inv, quantised.shape)
+def dequantise_fp8(quantized: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    return quantized.float() * _expand_blocks(scale_inv, quantized.shape)
 
 
 # ---------------------------------------------------------------- models
@@ -247,7 +247,7 @@ def _moe_text_model(vl_model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _fp8_state(vl_model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
-    """The official-FP8 tensors of `vl_model`, and a copy of the model holding their dequantised values."""
+    """The official-FP8 tensors of `vl_model`, and a copy of the model holding their dequantized values."""
     tensors: dict[str, torch.Tensor] = {}
     for name, value in _official_bf16_state(vl_model).items():
         fused = re.match(r"(.*mlp\.experts)\.(gate_up_proj|down_proj)$", name)
@@ -260,16 +260,16 @@ def _fp8_state(vl_model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], torc
                 {"gate_proj": matrix[:inter], "up_proj": matrix[inter:]}
             for part, weight in parts.items():
                 tensors[f"{fused[1]}.{expert}.{part}.weight"] = weight
-    dequantised = copy.deepcopy(vl_model)
-    params = dict(dequantised.named_parameters())
+    dequantized = copy.deepcopy(vl_model)
+    params = dict(dequantized.named_parameters())
     for name in list(tensors):
         scale_dtype = torch.bfloat16 if FP8_EXPERT.search(name) else torch.float32 if FP8_OTHER.search(name) else None
         if scale_dtype is None or not name.startswith("model.language_model."):
             continue
-        quantised, scale = quantise_fp8(tensors[name], scale_dtype)
-        tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantised, scale
-        _set_weight(params, name, dequantise_fp8(quantised, scale))
-    return tensors, dequantised
+        quantized, scale = quantise_fp8(tensors[name], scale_dtype)
+        tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantized, scale
+        _set_weight(params, name, dequantise_fp8(quantized, scale))
+    return tensors, dequantized
 
 
 def _set_weight(params: dict[str, torch.nn.Parameter], name: str, weight: torch.Tensor) -> None:
@@ -472,10 +472,10 @@ def _build_all(root: Path) -> None:
     _write_like(fx.moe_hf, fx.moe_fused_bf16, _official_bf16_state(moe),
                 [f"model.safetensors-0000{i}-of-00003.safetensors" for i in (1, 2, 3)], dtype="bfloat16")
 
-    fp8_tensors, dequantised = _fp8_state(moe)
+    fp8_tensors, dequantized = _fp8_state(moe)
     _write_like(fx.moe_hf, fx.moe_fp8, fp8_tensors, [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)],
                 dtype="bfloat16", quantization_config=_fp8_quantization_config())
-    save_file(_all_refs(dequantised, images), fx.refs_file(fx.moe_fp8))
+    save_file(_all_refs(dequantized, images), fx.refs_file(fx.moe_fp8))
 
     text = _moe_text_model(moe)
     _save_transformers(text, fx.moe_text, vision=False)

@@ -25,7 +25,7 @@ Folders (config.json, tokenizer.json, preprocessor_config.json, and a chat_templ
 - dense      Qwen3VLForConditionalGeneration.save_pretrained (model_type qwen3_vl), its own seed, fp32.
 
 References `refs/<folder>.safetensors` (moe_hf and moe_bf16 share `refs/moe.safetensors`; moe_fp8's come from the model
-holding its dequantised weights), computed in fp32 with eager attention, named as tiny_models documents: groups
+holding its dequantized weights), computed in fp32 with eager attention, named as tiny_models documents: groups
 text (input_ids [2, 80]), image_a (the 384x384 image, 144 tokens), image_ab (384x384 then 300x200, 144 + 70 tokens),
 gen_text and gen_image (32 greedy tokens), with .router_topk_L{i} for the MoE models. Here .image_embeds is
 [n, 4, 128]: the merger's output, then the three DeepStack levels.
@@ -144,24 +144,24 @@ def _official_bf16_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _fp8_state(model: torch.nn.Module) -> tuple[dict[str, torch.Tensor], torch.nn.Module]:
-    """The official-FP8 tensors of `model`, and a copy of the model holding their dequantised values."""
+    """The official-FP8 tensors of `model`, and a copy of the model holding their dequantized values."""
     tensors = _official_bf16_state(model)
-    dequantised = copy.deepcopy(model)
-    params = dict(dequantised.named_parameters())
+    dequantized = copy.deepcopy(model)
+    params = dict(dequantized.named_parameters())
     for name in list(tensors):
         if not name.startswith("model.language_model."):
             continue
-        if FUSED_EXPERTS.search(name):  # stored [E, in, out]: each expert's matrix quantised as stored
+        if FUSED_EXPERTS.search(name):  # stored [E, in, out]: each expert's matrix quantized as stored
             pairs = [tm.quantise_fp8(matrix, torch.float32) for matrix in tensors[name]]
             tensors[name], tensors[name + "_scale_inv"] = (torch.stack(part) for part in zip(*pairs))
             with torch.no_grad():
                 params[name].copy_(torch.stack([tm.dequantise_fp8(q, s).t() for q, s in pairs]))
         elif FP8_LINEAR.search(name):
-            quantised, scale = tm.quantise_fp8(tensors[name], torch.float32)
-            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantised, scale
+            quantized, scale = tm.quantise_fp8(tensors[name], torch.float32)
+            tensors[name], tensors[name.removesuffix("weight") + "weight_scale_inv"] = quantized, scale
             with torch.no_grad():
-                params[name].copy_(tm.dequantise_fp8(quantised, scale))
-    return tensors, dequantised
+                params[name].copy_(tm.dequantise_fp8(quantized, scale))
+    return tensors, dequantized
 
 
 def _fp8_quantization_config(model: torch.nn.Module) -> dict:
@@ -230,10 +230,10 @@ def _build_all(root: Path) -> None:
     _write_like(fx.moe_hf, fx.moe_bf16, _official_bf16_state(moe),
                 [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)], dtype="bfloat16")
 
-    fp8_tensors, dequantised = _fp8_state(moe)
+    fp8_tensors, dequantized = _fp8_state(moe)
     _write_like(fx.moe_hf, fx.moe_fp8, fp8_tensors, [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)],
                 dtype="bfloat16", quantization_config=_fp8_quantization_config(moe))
-    save_file(_all_refs(dequantised, images), root / "refs" / "moe_fp8.safetensors")
+    save_file(_all_refs(dequantized, images), root / "refs" / "moe_fp8.safetensors")
 
     dense = _dense_model()
     dense.save_pretrained(fx.dense)

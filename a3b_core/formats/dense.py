@@ -1,6 +1,6 @@
 """The text model's dense matrices on the CPU held as int8 or int4 (load option dense_format): the attention and
-DeltaNet projections, the shared experts' and dense MLPs' matrices and an untied lm_head, each quantised per output
-row exactly as one routed expert's matrix is (a QuantizedStack of one matrix: same quantisation, same products).
+DeltaNet projections, the shared experts' and dense MLPs' matrices and an untied lm_head, each quantized per output
+row exactly as one routed expert's matrix is (a QuantizedStack of one matrix: same quantization, same products).
 
 Kept in the compute dtype: the routers and the shared expert's gate (they choose and weigh experts, where a small
 error flips a choice), DeltaNet's in_proj_a / in_proj_b (per-head decay and gate inputs, tiny), the embedding table
@@ -15,7 +15,7 @@ from torch import nn
 
 from .stores import SET_ROWS_MULTIPLE, QuantizedStack
 
-# rows quantised at a time: the fp32 copy and the quantiser's temporaries stay small (for a 248k-row lm_head, 32 MiB
+# rows quantized at a time: the fp32 copy and the quantizer's temporaries stay small (for a 248k-row lm_head, 32 MiB
 # at 2048 inputs instead of 2 GiB and more for the whole matrix)
 QUANTISE_ROWS = 32 * SET_ROWS_MULTIPLE
 

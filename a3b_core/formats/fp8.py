@@ -1,6 +1,6 @@
 """Block FP8 (e4m3) with one fp32 scale per 128x128 block, as the official FP8 releases store it: kept as released
-(no conversion, no cache), dequantised per use. Also Fp8Linear, a dense layer kept FP8, and the one block-FP8
-quantiser (the demo's FP8 release is written with it too)."""
+(no conversion, no cache), dequantized per use. Also Fp8Linear, a dense layer kept FP8, and the one block-FP8
+quantizer (the demo's FP8 release is written with it too)."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,8 +16,8 @@ FP8_MAX = 448.0  # e4m3's largest finite value
 
 def quantize_fp8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
     """[out, in] -> (e4m3 matrix, scale_inv [ceil(out / 128), ceil(in / 128)] in `scale_dtype`), scale = the
-    block's absmax / 448 (1 for an all-zero block), rounded to `scale_dtype` before dividing, so that dequantising
-    with the stored scale gives what was quantised."""
+    block's absmax / 448 (1 for an all-zero block), rounded to `scale_dtype` before dividing, so that dequantizing
+    with the stored scale gives what was quantized."""
     out, inp = w.shape
     rows, cols = -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK)
     padded = F.pad(w.float(), (0, cols * FP8_BLOCK - inp, 0, rows * FP8_BLOCK - out))
@@ -30,7 +30,7 @@ def quantize_fp8(w: torch.Tensor, scale_dtype: torch.dtype = torch.float32) -> t
 
 class Fp8Blocks:
     """A stack of E FP8 matrices [E, out, in]: q e4m3 [E, out, in], scale fp32 [E, ceil(out / 128), ceil(in / 128)]."""
-    bf16_products = False  # dequantised in the input's dtype (fp32 inputs: the exact weights)
+    bf16_products = False  # dequantized in the input's dtype (fp32 inputs: the exact weights)
 
     def __init__(self, shape: tuple[int, int, int]):
         self.shape = shape
@@ -49,7 +49,7 @@ class Fp8Blocks:
         return dequantize_fp8(q[e], scale[e], block=(FP8_BLOCK, FP8_BLOCK), dtype=dtype)
 
     def cpu_product(self, q: torch.Tensor, scale: torch.Tensor, e: int, x: torch.Tensor) -> None:
-        return None  # no CPU product of its own: dequantised, then torch's product
+        return None  # no CPU product of its own: dequantized, then torch's product
 
     @staticmethod
     def kernel_arrays(q: torch.Tensor, scale: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -58,11 +58,11 @@ class Fp8Blocks:
 
     @staticmethod
     def stored_bytes(numel: int, stored: torch.dtype) -> int:
-        return numel * (1 if stored in FP8_DTYPES else 2)  # tensors the release stores unquantised stay bf16
+        return numel * (1 if stored in FP8_DTYPES else 2)  # tensors the release stores unquantized stay bf16
 
 
 class Fp8Linear(nn.Module):
-    """A bias-free linear layer kept as released FP8 with its block scales and dequantised per use: on a GPU this
+    """A bias-free linear layer kept as released FP8 with its block scales and dequantized per use: on a GPU this
     halves the VRAM of the dense parts of an FP8 checkpoint."""
 
     def __init__(self, q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]):

@@ -73,7 +73,7 @@ class Int4Groups:
         return dequantize_int4(q[e], scale[e], dtype)
 
     def cpu_product(self, q: torch.Tensor, scale: torch.Tensor, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Without the kernels: dequantised, then one product."""
+        """Without the kernels: dequantized, then one product."""
         return many_rows_product(x, self.dequantize(q, scale, e, torch.float32))
 
     @staticmethod

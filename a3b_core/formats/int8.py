@@ -1,7 +1,7 @@
 """int8, weight-only: symmetric, one bf16 scale per output row. Converted from the checkpoint's floats at load.
 
 Products of few rows use torch's CPU weight-only int8 kernel, which wants bf16 activations; from
-INT8_KERNEL_MAX_ROWS rows on, the matrix is dequantised once and multiplied in bf16. The numba kernels read the
+INT8_KERNEL_MAX_ROWS rows on, the matrix is dequantized once and multiplied in bf16. The numba kernels read the
 same bytes (kernels/cpu_numba.py).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ import torch
 from ..kernels.cpu_linear import linear
 
 # torch's int8 CPU kernel costs about one whole matrix-vector product per input row (27 us per row at 1024x1024 on
-# an AVX-512 EPYC), so from this many rows on, dequantising to bf16 and one bf16 product is faster (2.2x at 128).
+# an AVX-512 EPYC), so from this many rows on, dequantizing to bf16 and one bf16 product is faster (2.2x at 128).
 INT8_KERNEL_MAX_ROWS = 32
 # int8 matrices are stored as column chunks of this many inputs, one kernel call each: the kernel reads a [out, 512]
 # matrix faster per byte than a [out, 1024] one (+10-12% decode with int8 experts on an AVX-512 EPYC).
@@ -56,7 +56,7 @@ class Int8Rows:
         return (self.matrix(q, e).float() * scale[e].float()[:, None]).to(dtype)
 
     def cpu_product(self, q: torch.Tensor, scale: torch.Tensor, e: int, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[0] >= INT8_KERNEL_MAX_ROWS:  # many rows (prefill): dequantise once, one bf16 product
+        if x.shape[0] >= INT8_KERNEL_MAX_ROWS:  # many rows (prefill): dequantize once, one bf16 product
             return linear(x.to(torch.bfloat16), self.matrix(q, e) * scale[e][:, None])  # int8 * bf16: bf16
         parts = x.to(torch.bfloat16).split(self.chunk, dim=-1)
         out = torch._weight_int8pack_mm(parts[0].contiguous(), q[e, 0], scale[e])

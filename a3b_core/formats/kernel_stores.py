@@ -6,7 +6,7 @@ layer, each with a fixed cost, and torch's weight-only int8 kernel reads its mat
 bandwidth. The kernel computes the layer's whole routed step of a decoding step (one row per sequence: gate/up rows,
 SiLU(gate) * up, down rows, the routing-weighted sum) in one call, reading each chosen expert once, its output rows
 split over torch's thread count; bench/expert_step.py measures both. Prefill multiplies matrices with torch's
-product (efficient there), each quantised expert dequantised by a kernel (`dequantized`: 6-8 G weights/s for int8
+product (efficient there), each quantized expert dequantized by a kernel (`dequantized`: 6-8 G weights/s for int8
 and int4, 2-3 for FP8, against 0.15-0.3 in torch's operations on an AVX2 EPYC), in fp32, or rounded to bf16 by the
 kernel where torch multiplies bf16 (bench/prefill_weights.py measures that). The choice is made per step kind,
 not per row count, so that a sequence decodes to the same tokens whatever batch it is in (a row's result from the
@@ -44,7 +44,7 @@ from ..kernels.cpu_linear import many_rows_product, many_rows_weight_dtype
 from .stores import CpuFloatExperts, QuantizedExperts
 from .table import BF16, FORMATS, INT4, INT8
 
-# the formats the kernels read, by their code; quantised stores in these are swapped, and bf16 CpuFloatExperts
+# the formats the kernels read, by their code; quantized stores in these are swapped, and bf16 CpuFloatExperts
 FORMAT_CODES = {fmt: fmt.kernel_code for fmt in FORMATS.values() if fmt.kernel_code is not None}
 KERNEL_FORMATS = tuple(fmt for fmt in FORMAT_CODES if fmt.quantized)
 LOCK = threading.Lock()  # numba's thread pools do not all accept calls from two threads at once
@@ -89,7 +89,7 @@ def plain_cpu(*tensors: torch.Tensor) -> bool:
 def check_kernels(kernels: ModuleType) -> None:
     """One routed step of two rows on tiny int8 and int4 experts, and on the int8 ones in bf16 (the kernels' three
     compiled signatures), equals the same step in fp64, with rows of 128 inputs (the vector code of int8's and int4's
-    codes) and of 32 (their loops); the int8 and int4 experts dequantise to their own weights, in fp32 and rounded to
+    codes) and of 32 (their loops); the int8 and int4 experts dequantize to their own weights, in fp32 and rounded to
     bf16."""
     g = torch.Generator().manual_seed(0)
     matrices = [(torch.randn(64, 128, generator=g), torch.randn(128, 32, generator=g)) for _ in range(4)]
@@ -118,16 +118,16 @@ def check_kernels(kernels: ModuleType) -> None:
             weight = dequantized(kernels, store.fmt.kernel_code, kernel_arrays(stack), stack.shape[1:],
                                  1, dtype)
             if not torch.equal(weight, stack.dequantize(1).to(dtype)):
-                raise ValueError("the dequantising kernel's matrix differs from the store's")
+                raise ValueError("the dequantizing kernel's matrix differs from the store's")
 
 
 def matrix(stack: nn.Module | torch.Tensor, e: int) -> torch.Tensor:
-    """Expert e's matrix of a quantised stack or a float expert tensor, in fp32."""
+    """Expert e's matrix of a quantized stack or a float expert tensor, in fp32."""
     return stack[e].float() if isinstance(stack, torch.Tensor) else stack.dequantize(e)
 
 
 def kernel_arrays(stack: nn.Module | torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    """The kernels' numpy views of a quantised stack (its layout's kernel_arrays) or of a bf16 tensor [E, out, in]
+    """The kernels' numpy views of a quantized stack (its layout's kernel_arrays) or of a bf16 tensor [E, out, in]
     (as int16 [E, 1, out, in] and an empty scale), as cpu_numba.py reads them."""
     if isinstance(stack, torch.Tensor):
         return stack.view(torch.int16).numpy()[:, None], np.empty((0, 0, 0), np.float32)
@@ -141,7 +141,7 @@ class KernelMatrices(nn.Module):
     def __init__(self, stack: nn.Module | torch.Tensor):
         super().__init__()
         self.shape = tuple(stack.shape)
-        if isinstance(stack, torch.Tensor):  # bf16 experts' tensor, registered as a buffer as a quantised stack's are
+        if isinstance(stack, torch.Tensor):  # bf16 experts' tensor, registered as a buffer as a quantized stack's are
             self.register_buffer("q", stack.data, persistent=False)
             self.scale = None
             self.arrays = kernel_arrays(self.q)
@@ -157,7 +157,7 @@ class KernelMatrices(nn.Module):
 
 class KernelExperts(nn.Module):
     """A layer's int8, int4, FP8 or bf16 routed experts on the CPU whose decoding step is one kernel call
-    (`routed_step`); `gate_up(e, x)` / `down(e, x)` serve prefill: a quantised expert dequantised by the kernel and
+    (`routed_step`); `gate_up(e, x)` / `down(e, x)` serve prefill: a quantized expert dequantized by the kernel and
     torch's product (many_rows_product), bf16 experts and rows without data through the store's own products."""
 
     def __init__(self, store: QuantizedExperts | CpuFloatExperts, kernels: ModuleType):
@@ -200,7 +200,7 @@ class KernelExperts(nn.Module):
 
 def dequantized(kernels: ModuleType, code: int, arrays: tuple[np.ndarray, np.ndarray], shape: tuple[int, int],
                 e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Matrix e [out, in] of a quantised stack's kernel arrays (kernel_arrays), in fp32, or in bf16 (the fp32
+    """Matrix e [out, in] of a quantized stack's kernel arrays (kernel_arrays), in fp32, or in bf16 (the fp32
     weights rounded to the nearest even, as torch rounds them)."""
     out = torch.empty(shape, dtype=dtype)
     with LOCK:
@@ -214,7 +214,7 @@ def dequantized(kernels: ModuleType, code: int, arrays: tuple[np.ndarray, np.nda
 
 def dequantized_product(kernels: ModuleType, code: int, arrays: tuple[np.ndarray, np.ndarray],
                         shape: tuple[int, int], e: int, x: torch.Tensor) -> torch.Tensor:
-    """x times matrix e of a quantised stack's kernel arrays, for many rows (prefill): the matrix dequantised by the
+    """x times matrix e of a quantized stack's kernel arrays, for many rows (prefill): the matrix dequantized by the
     kernel in the dtype the product multiplies in (many_rows_weight_dtype), so no copy converts it, then torch's
     product."""
     return many_rows_product(x, dequantized(kernels, code, arrays, shape, e, many_rows_weight_dtype(x)))
@@ -227,9 +227,9 @@ def swap_in_kernels(text: nn.Module) -> None:
         return
     kernels = compiled_kernels()
     for name, module in list(text.named_modules()):
-        quantised = isinstance(module, QuantizedExperts) and module.fmt in KERNEL_FORMATS
+        quantized = isinstance(module, QuantizedExperts) and module.fmt in KERNEL_FORMATS
         bf16 = isinstance(module, CpuFloatExperts) and module.gate_up_proj.dtype == torch.bfloat16
-        if not ((quantised or bf16) and plain_cpu(*module.buffers(), *(p.data for p in module.parameters()))):
+        if not ((quantized or bf16) and plain_cpu(*module.buffers(), *(p.data for p in module.parameters()))):
             continue
         parent, _, leaf = name.rpartition(".")
         setattr(text.get_submodule(parent), leaf, KernelExperts(module, kernels))

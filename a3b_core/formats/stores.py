@@ -1,4 +1,4 @@
-"""Routed-expert stores: one layer's experts in one format, quantised (FP8 as released, or converted to int8 or
+"""Routed-expert stores: one layer's experts in one format, quantized (FP8 as released, or converted to int8 or
 int4 at load: a QuantizedStack per fused matrix, its layout the format's) or float on the CPU. Every store offers
 the same interface as the model's own float experts: `device` (where the layer's experts are computed),
 `gate_up(e, x)` and `down(e, x)` (x @ W_e^T), so the MoE layer's loop does not care how the weights are stored.
@@ -43,21 +43,21 @@ class CpuFloatExperts(nn.Module):
 
 
 class QuantizedStack(nn.Module):
-    """E matrices [E, out, in] in a quantised format, stored as its layout says (formats/int8.py, int4.py, fp8.py)
+    """E matrices [E, out, in] in a quantized format, stored as its layout says (formats/int8.py, int4.py, fp8.py)
     in the buffers `q` and `scale`; `matmul(e, x)` = x @ W_e^T."""
 
     def __init__(self, fmt: str, shape: tuple[int, int, int], device: torch.device | str = "cpu"):
         super().__init__()
         self.fmt, self.shape = format_named(fmt), shape
         if not self.fmt.quantized:
-            raise ValueError(f"{fmt!r} is no quantised format")
+            raise ValueError(f"{fmt!r} is no quantized format")
         self.layout = self.fmt.layout(shape)
         q, scale = self.layout.empty(device)
         self.q, self.scale = nn.Buffer(q), nn.Buffer(scale)
 
     def set(self, e: int, w: torch.Tensor, first_row: int = 0) -> None:
-        """Quantises one expert's fp32 matrix [out, in] into slot e; or, from `first_row` on, some of its rows [n, in]
-        (n a multiple of SET_ROWS_MULTIPLE unless they end the matrix), which quantise as they would in the whole."""
+        """Quantizes one expert's fp32 matrix [out, in] into slot e; or, from `first_row` on, some of its rows [n, in]
+        (n a multiple of SET_ROWS_MULTIPLE unless they end the matrix), which quantize as they would in the whole."""
         rows = slice(first_row, first_row + w.shape[0])
         if first_row % SET_ROWS_MULTIPLE or (rows.stop != self.shape[1] and w.shape[0] % SET_ROWS_MULTIPLE):
             raise ValueError(f"rows {rows.start}:{rows.stop} of {self.shape[1]}: a part must start and end at "
@@ -65,7 +65,7 @@ class QuantizedStack(nn.Module):
         self.layout.set(self.q, self.scale, e, rows, w)
 
     def set_fp8(self, e: int, q: torch.Tensor, scale_inv: torch.Tensor) -> None:
-        """Stores an FP8 matrix as released (no requantisation)."""
+        """Stores an FP8 matrix as released (no requantization)."""
         self.q[e].copy_(q)
         self.scale[e].copy_(scale_inv.float())
 

@@ -1,8 +1,8 @@
 """Every weight format the engine holds, one entry each, and the choices the options offer from them.
 
 A WeightFormat is its name (a str: options, plans, cache folders and the nodes spell formats by name) carrying what
-the engine asks of it: the torch dtype of a float format, the layout class of a quantised one (how a stack of
-matrices is stored, quantised, dequantised and multiplied on the CPU, and how the numba kernels read it), the numba
+the engine asks of it: the torch dtype of a float format, the layout class of a quantized one (how a stack of
+matrices is stored, quantized, dequantized and multiplied on the CPU, and how the numba kernels read it), the numba
 kernels' code for it, and whether it is converted at load (and cached) or kept as the checkpoint stores it. The
 planner, the loader, the stores and the kernels ask these; a new format is one more entry here and its layout.
 """
@@ -21,11 +21,11 @@ Layout = type[Int8Rows] | type[Int4Groups] | type[Fp8Blocks]
 
 class WeightFormat(str):
     """A weight format: its name, and its facts as keyword arguments (see the module docstring)."""
-    dtype: torch.dtype | None  # a float format's dtype; None for a quantised one
-    layout: Layout | None  # a quantised format's storage (formats/int8.py, int4.py, fp8.py); None for a float one
+    dtype: torch.dtype | None  # a float format's dtype; None for a quantized one
+    layout: Layout | None  # a quantized format's storage (formats/int8.py, int4.py, fp8.py); None for a float one
     kernel_code: int | None  # how the numba kernels know its layout (kernels/arrays.py); None: they do not read it
-    converted: bool  # quantised from the checkpoint's floats at load and cached on disk (weight-only, per row/group)
-    as_released: bool  # kept as the checkpoint stores it, its block scales too (tensors stored unquantised: bf16)
+    converted: bool  # quantized from the checkpoint's floats at load and cached on disk (weight-only, per row/group)
+    as_released: bool  # kept as the checkpoint stores it, its block scales too (tensors stored unquantized: bf16)
     cpu_only: bool  # only the CPU's kernels compute it
 
     def __new__(cls, name: str, *, dtype: torch.dtype | None = None, layout: Layout | None = None,

@@ -1,5 +1,5 @@
 """The text model's matrix products on the CPU: bf16 products of one or two rows as matrix-vector products, larger
-bf16 products in fp32 where the CPU has no bf16 matrix kernel, products of many rows with a dequantised matrix, and
+bf16 products in fp32 where the CPU has no bf16 matrix kernel, products of many rows with a dequantized matrix, and
 input projections fused into one matrix.
 
 Where the CPU has AVX-512 bf16, torch hands every bf16 matmul to oneDNN, whose kernel for a single input row reads
@@ -51,13 +51,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def many_rows_weight_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype many_rows_product multiplies x's rows in: bf16 for bf16 rows where oneDNN multiplies bf16 (CPUs with
-    AVX-512 bf16, where that is the faster product), else fp32. A dequantising kernel writes its weights in it, so
+    AVX-512 bf16, where that is the faster product), else fp32. A dequantizing kernel writes its weights in it, so
     no copy converts them."""
     return torch.bfloat16 if x.dtype == torch.bfloat16 and bf16_matmul_is_native() else torch.float32
 
 
 def many_rows_product(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight^T (weight a dequantised matrix, in fp32 or already in many_rows_weight_dtype) in x's dtype: in fp32
+    """x @ weight^T (weight a dequantized matrix, in fp32 or already in many_rows_weight_dtype) in x's dtype: in fp32
     from the exact weights, or in bf16 from them rounded to bf16."""
     if many_rows_weight_dtype(x) == torch.bfloat16:
         return F.linear(x, weight.bfloat16())

@@ -1,5 +1,5 @@
 """The numba kernels of formats/kernel_stores.py and runtime/step_kernels.py: one layer's routed-expert step for a
-few rows in one compiled call, a dense matrix's product with a few rows, a quantised matrix dequantised (for products
+few rows in one compiled call, a dense matrix's product with a few rows, a quantized matrix dequantized (for products
 of many rows), RMSNorms of bf16 rows, the rotary embedding and softmax attention over a bf16 KV cache. They know
 weight layouts and shapes but no model: a family's fused decoding steps are made of them in its own folder
 (models/qwen3_5/cpu_steps.py).
@@ -10,7 +10,7 @@ weights in integers by int16 codes of each group of activations (int4: a group's
 the group's scale, plus its minimum times the activations' group sum; int8: the sum times the row's scale), with
 AVX-512 or AVX2 in vector code of the pack's own (pmadd_codegen); other int8 rows are converted as they are summed;
 FP8 e4m3 and bf16 are turned into fp32 by shifting bits, with no table, FP8's 128-column block sums times their
-block's scale, in loops LLVM vectorises. A parallel work item reads a block of consecutive rows of one expert, so the
+block's scale, in loops LLVM vectorizes. A parallel work item reads a block of consecutive rows of one expert, so the
 weights stream from memory in long runs, and int8, int4 and bf16 rows, read faster than one thread's cache misses
 arrive, ask for the rows ahead of them (prefetch_ahead). A chosen expert's rows are read once per call however many
 activation rows routed to it (the repeats hit the cache), and each row's result is the same whatever other rows share
@@ -46,7 +46,7 @@ ROW_BLOCK = 16  # output rows per parallel work item: small enough to balance th
 E4M3_BITS = np.int32(-0x78000001)  # 0x87FFFFFF: sign, fp32 exponent and mantissa bits an e4m3 byte fills
 E4M3_SCALE = np.float32(2.0 ** 120)  # fp32's exponent bias less e4m3's
 FP8_INPUT_SCALE = np.float32(2.0 ** 64)  # FP8 rows' activations are multiplied by it (row_extras)
-FAST = {"reassoc", "contract"}  # sums may be reordered (vectorised); no assumption that values are finite
+FAST = {"reassoc", "contract"}  # sums may be reordered (vectorized); no assumption that values are finite
 FAST_FLAGS = tuple(sorted(FAST))  # the same, for LLVM instructions written by hand (pmadd_codegen)
 PREFETCH_BYTES = 4096  # how far ahead of the row being read row_dot asks for the next rows' cache lines
 CODE_GROUP = 128  # int8 rows' activations are coded per this many inputs (row_extras): pmadd_codegen's group
@@ -110,7 +110,7 @@ def prefetch_ahead(q, e, r):
                 prefetch(row, k)
 
 
-# The two readings below reinterpret an int32's bits as fp32 inside the loop that uses the value: LLVM vectorises the
+# The two readings below reinterpret an int32's bits as fp32 inside the loop that uses the value: LLVM vectorizes the
 # shift and the reinterpretation with the product, where a first loop writing the bits to scratch and a second
 # reading them as fp32 ran 1.4x (FP8) and 1.6x (bf16) slower on an AVX-512 Xeon.
 @njit(cache=True, fastmath=FAST, inline="always")
@@ -237,7 +237,7 @@ def check_row_arguments(name, arrays, wanted, groups):
 
 @intrinsic
 def pmadd_int4_row(typingctx, src, codes, scale_min, extra, groups):
-    """loop_int4_row for groups of 128 (64 bytes), in vector code (pmadd_codegen). LLVM's own vectorising of
+    """loop_int4_row for groups of 128 (64 bytes), in vector code (pmadd_codegen). LLVM's own vectorizing of
     loop_int4_row uses 128-bit vectors and sums each group across its lanes: 2.6x the time on an AVX-512 Xeon.
     Arrays 1-D, C-contiguous: src uint8 (64 bytes a group), codes int16, scale_min and extra float32 (row_dot's; src is
     read as bytes, as row_dot's branches for other formats are compiled too)."""
@@ -311,7 +311,7 @@ def e4m3_scaled(src, first, length, block_scale, dst):
 @njit(cache=True, fastmath=FAST, inline="always")
 def row_dot(fmt, q, scale, e, r, x, extra, codes):
     """Row r of expert e's matrix (scales applied) dotted with x, in fp32, in loops over the row's contiguous bytes
-    that LLVM vectorises. `extra` and `codes` are what row_extras made of x for the format (int4: x's int16 codes
+    that LLVM vectorizes. `extra` and `codes` are what row_extras made of x for the format (int4: x's int16 codes
     and each group's step, sum and rounding correction; FP8: x times FP8_INPUT_SCALE)."""
     acc = np.float32(0.0)
     n = x.shape[0]
@@ -340,7 +340,7 @@ def row_dot(fmt, q, scale, e, r, x, extra, codes):
             acc += bf16_value(src[k]) * x[k]
         return acc
     # whole blocks, then a partial one: with the block loop bounded by n // FP8_BLOCK, not by scale's shape, LLVM
-    # vectorises the inner loop (6x an FP8 row's speed on an AVX-512 Xeon)
+    # vectorizes the inner loop (6x an FP8 row's speed on an AVX-512 Xeon)
     whole = n // FP8_BLOCK
     block_scales = scale[e, r // FP8_BLOCK]
     for cb in range(whole):
@@ -369,7 +369,7 @@ def rows_dot(fmt, q, scale, e, first, end, x, extra, codes, out):
             out[r - first] = row_dot(FP8, q, scale, e, r, x, extra, codes)
 
 
-# not fastmath: a vectorised sum's order could depend on the row's place in x, and a row's result must not
+# not fastmath: a vectorized sum's order could depend on the row's place in x, and a row's result must not
 @njit(cache=True)
 def row_extras(fmt, scale, x):
     """What row_dot reads of each row of x [T, in] besides x, as (extra float32 [T, k], codes int16 [T, m]).

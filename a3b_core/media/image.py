@@ -1,4 +1,4 @@
-"""Image pipeline: any image in -> sRGB 8-bit RGB PIL image -> resized -> normalised pixel patches.
+"""Image pipeline: any image in -> sRGB 8-bit RGB PIL image -> resized -> normalized pixel patches.
 
 `preprocess` is that path for one image and `preprocess_images` for a batch; the engine encodes every image through
 them, so their options (resize mode, ICC conversion, background) are the ones that act.
@@ -202,7 +202,7 @@ def _to_srgb(img: Image.Image, icc: bytes | None, name: str) -> Image.Image:
         return img
 
 
-def _normalise(given: Image.Image, icc: bytes | None, background: tuple[int, int, int], srgb: bool,
+def _normalize(given: Image.Image, icc: bytes | None, background: tuple[int, int, int], srgb: bool,
                name: str) -> Image.Image:
     """An upright image in any mode -> a new 8-bit RGB image, converted to sRGB from `icc` (its embedded profile) when
     `srgb`. Each step makes at most one new image (they can be large)."""
@@ -236,16 +236,16 @@ def load_image(src: Any, *, background: tuple[int, int, int] = WHITE, srgb: bool
     if isinstance(src, (str, os.PathLike, bytes, bytearray)):
         with open_image(src, name) as img:
             icc = img.info.get("icc_profile")
-            return _normalise(_decode(img, name, None)[0], icc, background, srgb, name)
+            return _normalize(_decode(img, name, None)[0], icc, background, srgb, name)
     if isinstance(src, Image.Image):
         _check_pixel_count(src.width, src.height, name)
         _decode_pixels(src, name)
-        return _normalise(ImageOps.exif_transpose(src), src.info.get("icc_profile"), background, srgb, name)
+        return _normalize(ImageOps.exif_transpose(src), src.info.get("icc_profile"), background, srgb, name)
     if isinstance(src, torch.Tensor):
         tensor = src.detach().cpu()
         src = tensor.float().numpy() if tensor.is_floating_point() else tensor.numpy()
     if isinstance(src, np.ndarray):
-        return _normalise(_array_to_pil(src, name), None, background, srgb, name)
+        return _normalize(_array_to_pil(src, name), None, background, srgb, name)
     raise ImageError(f"{name} is not an image; give a file path, PIL image, numpy array or torch tensor.")
 
 
@@ -264,7 +264,7 @@ def load_resized(src: Any, size: int = 384, mode: str = "stretch", max_pixels: i
         icc = img.info.get("icc_profile")
         huge = img.width * img.height > SHRINK_ABOVE_PIXELS
         decoded, upright = _decode(img, name, (size, mode, max_pixels) if huge else None)
-        rgb = _normalise(decoded, icc, background, srgb, name)
+        rgb = _normalize(decoded, icc, background, srgb, name)
     if mode == "native":
         return rgb.resize(native_size(*upright, max_pixels), Image.Resampling.BICUBIC)
     return resize_image(rgb, size, mode)
@@ -368,7 +368,7 @@ def to_patches(
     height, width = smart_resize(img.height, img.width, factor)
     if (height, width) != (img.height, img.width):
         img = img.resize((width, height), Image.Resampling.BICUBIC)
-    # Same arithmetic and dtypes as the processor: rescale in float64, then normalise in float32.
+    # Same arithmetic and dtypes as the processor: rescale in float64, then normalize in float32.
     scaled = (np.asarray(img, dtype=np.uint8).astype(np.float64) * (1 / 255)).astype(np.float32)
     mean_t, std_t = torch.tensor(mean, dtype=torch.float32), torch.tensor(std, dtype=torch.float32)
     normed = (torch.from_numpy(scaled) - mean_t) / std_t

@@ -1,5 +1,5 @@
 """Video pipeline: a clip (frames [T, H, W, C] with their frame rate, or a video file) -> sampled frames -> resized
--> normalised patches, with each frame group's timestamp.
+-> normalized patches, with each frame group's timestamp.
 
 It reproduces the model's video processor (Qwen3VLVideoProcessor with the release's video_preprocessor_config.json and
 the per-frame pixel cap of Qwen's reference code) bit for bit:
@@ -227,7 +227,7 @@ def frame_size(frames: int, height: int, width: int, factor: int, temporal_patch
 
 
 def to_patches(frames: torch.Tensor, patch_size: int, temporal_patch_size: int, merge_size: int) -> torch.Tensor:
-    """Normalised frames [T, 3, H, W] (T a multiple of temporal_patch_size) -> [groups * gh * gw, 3 * T * p * p] in
+    """Normalized frames [T, 3, H, W] (T a multiple of temporal_patch_size) -> [groups * gh * gw, 3 * T * p * p] in
     the processor's order: group, block row, block column, row and column in the block; then C, frame, pixel."""
     count, channels, height, width = frames.shape
     groups, gh, gw = count // temporal_patch_size, height // patch_size, width // patch_size

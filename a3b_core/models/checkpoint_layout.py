@@ -50,7 +50,7 @@ def load_text_model(module: nn.Module, cfg: Any, ckpt: Checkpoint, compute_dtype
                     cache_dirs: Mapping[str, Path] | None = None, keep_fp8: bool = False) -> str:
     """Fills a meta-device text model (layers.DecoderModel; `cfg` has the fields layers.py reads). Routed experts
     follow `expert_placement` (default: the compute dtype, on the CPU): float formats are loaded on the CPU (placing
-    the model moves them), quantised ones are built on their device; int8/int4 are converted one expert at a time
+    the model moves them), quantized ones are built on their device; int8/int4 are converted one expert at a time
     and cached under `cache_dirs[format]` for the next load.
     With `keep_fp8`, dense matrices stored as FP8 stay FP8 (Fp8Linear). A tied lm_head is the embedding's own
     Parameter. Returns the checkpoint's name prefix."""
@@ -108,7 +108,7 @@ def load_experts(ckpt: Checkpoint, base: str, cfg: Any, which: str, dtype: torch
     fused = base + which
     shape = expert_shape(cfg, which, fused=True)
     info = ckpt.infos.get(fused)
-    if info is not None and info.dtype not in FP8_DTYPES:  # FP8 ones are dequantised expert by expert, below
+    if info is not None and info.dtype not in FP8_DTYPES:  # FP8 ones are dequantized expert by expert, below
         if info.shape == shape:
             return ckpt.weight(fused, dtype)
         if info.shape == (e, shape[2], shape[1]):  # stored transposed: copied into the layout the products read
@@ -150,7 +150,7 @@ def expert_matrix(ckpt: Checkpoint, base: str, cfg: Any, which: str, j: int) -> 
 
 def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: Any, fmt: str, device: torch.device,
                            cache_file: Path | None) -> QuantizedExperts:
-    """One layer's routed experts (checkpoint names under `base`) in a quantised format, as formats/stores.py makes
+    """One layer's routed experts (checkpoint names under `base`) in a quantized format, as formats/stores.py makes
     them: the released FP8 matrices where the format is fp8 and the blocks line up, else each expert's matrix."""
 
     def released_fp8(which: str, e: int) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -33,8 +33,8 @@ class KVCache:
     def __init__(self, layers: Iterable[int], num_kv_heads: int, head_dim: int, batch: int, max_len: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu", kv_dtype: str | None = None):
         kv_format = checked_kv_format(kv_dtype)
-        self.quantised = kv_format == INT8
-        store = torch.int8 if self.quantised else FLOAT_FORMATS.get(kv_format, dtype)
+        self.quantized = kv_format == INT8
+        store = torch.int8 if self.quantized else FLOAT_FORMATS.get(kv_format, dtype)
         self.max_len = max_len
         self.length = 0
         self.padded = False  # whether any row has padding, so attention needs the mask
@@ -47,7 +47,7 @@ class KVCache:
         for layer in layers:
             self.keys[layer] = torch.zeros(shape, dtype=store, device=device)
             self.values[layer] = torch.zeros(shape, dtype=store, device=device)
-            if self.quantised:
+            if self.quantized:
                 self.key_scales[layer] = torch.zeros(shape[:-1] + (1,), device=device)
                 self.value_scales[layer] = torch.zeros(shape[:-1] + (1,), device=device)
         # stored in another format: one layer's keys and values in the compute dtype, reused by every layer in turn
@@ -95,7 +95,7 @@ class KVCache:
         out = []
         for new, store, scales, scratch in ((k, self.keys, self.key_scales, self.scratch[0]),
                                             (v, self.values, self.value_scales, self.scratch[1])):
-            if self.quantised:
+            if self.quantized:
                 quantize_kv_int8(new, store[layer][:, :, start:end], scales[layer][:, :, start:end])
                 out.append(torch.mul(store[layer][:, :, :end], scales[layer][:, :, :end], out=scratch[:, :, :end]))
             else:

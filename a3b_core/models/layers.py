@@ -18,7 +18,7 @@ from torch import nn
 from .kv_cache import KVCache
 
 FP16_LIMIT = 65000.0  # below fp16's largest value, 65504 (fp16 is the compute dtype of GPUs without bf16)
-# Scores a masked attention call may hold at once, and the bytes a kernel that materialises them needs per score
+# Scores a masked attention call may hold at once, and the bytes a kernel that materializes them needs per score
 # (measured: 13.8 for bf16 in torch's math kernel, scores and softmax together)
 ATTENTION_SCORES_BYTES = 128 << 20
 SCORE_BYTES = 16
@@ -200,7 +200,7 @@ class FloatExperts(nn.Module):
 
 
 class RoutedExperts(nn.Module):
-    """A router (`gate`) picking the top-k of `experts` per token by softmax, renormalised over the k, each a SwiGLU.
+    """A router (`gate`) picking the top-k of `experts` per token by softmax, renormalized over the k, each a SwiGLU.
     A family's MoE block derives from it and adds what else it has (a shared expert)."""
 
     def __init__(self, cfg: Any):
@@ -212,7 +212,7 @@ class RoutedExperts(nn.Module):
         self.experts = FloatExperts(e, h, i)  # loading may put another expert store in its place (backends)
 
     def route(self, router_logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token's top-k expert ids and their weights; the top-k of a softmax, renormalised, is the softmax of
+        """Each token's top-k expert ids and their weights; the top-k of a softmax, renormalized, is the softmax of
         the top-k logits."""
         top_logits, top_i = router_logits.float().topk(self.cfg.num_experts_per_tok, dim=-1)
         return top_i, torch.softmax(top_logits, dim=-1).to(dtype)

@@ -165,8 +165,8 @@ class Block(nn.Module):
 
 
 class Merger(nn.Module):
-    """LayerNorm, and each merge x merge block (consecutive rows) -> one LM-sized token. The final merger normalises
-    each patch before merging; DeepStack's mergers (`after_merge`) normalise the merged rows."""
+    """LayerNorm, and each merge x merge block (consecutive rows) -> one LM-sized token. The final merger normalizes
+    each patch before merging; DeepStack's mergers (`after_merge`) normalize the merged rows."""
 
     def __init__(self, cfg: VisionConfig, after_merge: bool = False):
         super().__init__()

@@ -75,7 +75,7 @@ class Tokenizer:
 
 def check_against_config(tokenizer: Tokenizer, config: ModelConfig, config_path: str) -> None:
     """tokenizer.json checked against config.json when a model is loaded: the control tokens prompts need are there,
-    and both files give the vision and end-of-text tokens the same ids (a mix-up would silently mis-tokenise)."""
+    and both files give the vision and end-of-text tokens the same ids (a mix-up would silently mis-tokenize)."""
     needed = CHAT_TOKENS + (IMAGE_TOKENS if config.vision is not None else ())
     missing = [token for token in needed if tokenizer.maybe_token_id(token) is None]
     if missing:

@@ -1,4 +1,4 @@
-"""Safetensors checkpoints: headers parsed and checked by us, tensors memory-mapped, FP8 dequantised on request.
+"""Safetensors checkpoints: headers parsed and checked by us, tensors memory-mapped, FP8 dequantized on request.
 
 Only safetensors is ever read. Headers are validated before any tensor is touched, so a corrupt or hostile file
 fails with a CheckpointError naming it instead of crashing or reading out of bounds.
@@ -87,7 +87,7 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int, data_len
     if dtype is None:
         raise CheckpointError(f"{path}: tensor '{name}' has dtype {entry.get('dtype')!r}, which is not supported "
                               f"(expected one of {', '.join(DTYPES)}). Use the model's original safetensors release "
-                              "(GGUF-style quantisations are not read).")
+                              "(GGUF-style quantizations are not read).")
     shape, offsets = entry.get("shape"), entry.get("data_offsets")
     if (not isinstance(shape, list) or not all(isinstance(d, int) and 0 <= d < 2**40 for d in shape)
             or not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)):
@@ -172,7 +172,7 @@ class Checkpoint:
         return flat.view(info.dtype).view(info.shape)
 
     def weight(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The tensor in `dtype`, dequantising FP8 with its `weight_scale_inv` (128x128 blocks) or `weight_scale`."""
+        """The tensor in `dtype`, dequantizing FP8 with its `weight_scale_inv` (128x128 blocks) or `weight_scale`."""
         q = self.raw(name)
         if not q.dtype.is_floating_point:
             stored = next(k for k, v in DTYPES.items() if v == q.dtype)
@@ -189,7 +189,7 @@ class Checkpoint:
         return out
 
     def weight_at(self, name: str, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Matrix `index` of a stacked tensor [N, rows, cols] (fused experts) in `dtype`; FP8 is dequantised with the
+        """Matrix `index` of a stacked tensor [N, rows, cols] (fused experts) in `dtype`; FP8 is dequantized with the
         same matrix of its stacked block scales [N, rows / block, cols / block]."""
         q = self.raw(name)[index]
         if q.dtype in FP8_DTYPES:
@@ -222,7 +222,7 @@ class Checkpoint:
             if name + suffix in self.infos:
                 return self.raw(name + suffix)
         raise CheckpointError(f"{self.infos[name].file}: '{name}' is stored as FP8 but has no '{name}_scale_inv' or "
-                              f"'{name}_scale' beside it, so it cannot be dequantised. The download is incomplete: "
+                              f"'{name}_scale' beside it, so it cannot be dequantized. The download is incomplete: "
                               "download all the files of the FP8 release again.")
 
     def close(self) -> None:

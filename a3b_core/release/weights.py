@@ -1,6 +1,6 @@
 """Checkpoint tensors -> module parameters: name prefixes, dtypes and shape checks, whatever the model family.
 
-Modules are built on the meta device and each parameter is materialised straight from the memory-mapped file, so
+Modules are built on the meta device and each parameter is materialized straight from the memory-mapped file, so
 loading never holds a second copy of the weights.
 """
 from __future__ import annotations

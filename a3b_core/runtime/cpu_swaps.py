@@ -5,8 +5,8 @@ On the CPU (kernels/cpu_linear.py, kernels/onednn_packing.py, formats/): bf16 Li
 matrix-vector kernel for one or two rows, input projections that read the same input are fused into one product,
 and the vision tower's bf16 matrices are packed for oneDNN. Where oneDNN has no bf16 kernels (CPUs without AVX-512)
 bf16 products of more rows, the vision tower's included, are computed in fp32. With dense_format int8 or int4 the
-text model's dense matrices are quantised first (formats/dense.py); an owner whose input projections are then not all bf16
-Linears is not fused. Quantised expert stores and FP8 dense layers (formats/stores.py, fp8.py) are built by the family's loader;
+text model's dense matrices are quantized first (formats/dense.py); an owner whose input projections are then not all bf16
+Linears is not fused. Quantized expert stores and FP8 dense layers (formats/stores.py, fp8.py) are built by the family's loader;
 int8, int4, FP8 and bf16 ones on the CPU compute a decoding step's routed experts in one numba call per layer
 (formats/kernel_stores.py, kernels/cpu_numba.py) when numba is there; with numba, a model whose compute dtype is not fp32 also
 decodes its int8, int4 and large bf16 dense products and its Gated DeltaNet steps in numba calls, and a bf16
@@ -39,7 +39,7 @@ def is_float_experts(module: nn.Module) -> bool:
 def prepare_cpu(text: nn.Module, vision: nn.Module | None, release_text: Callable[[str], None],
                 release_vision: Callable[[str], None], dense_format: str = BF16) -> None:
     """The CPU's swaps on a placed model (modules on a GPU are left as they are). `release_*(name)` is told each
-    swapped module whose checkpoint pages can be dropped. `dense_format` is the plan's: int8 / int4 quantises the
+    swapped module whose checkpoint pages can be dropped. `dense_format` is the plan's: int8 / int4 quantizes the
     text model's dense matrices on the CPU (dense.py); a float format keeps them as loaded."""
     if format_named(dense_format).converted:
         quantize_dense(text, dense_format, release_text)
@@ -60,7 +60,7 @@ def prepare_cpu(text: nn.Module, vision: nn.Module | None, release_text: Callabl
 
 def repack_int4_for_torch(text: nn.Module) -> None:
     """Gives the int4 matrices of `text` that no numba kernel computes (numba missing or off, an fp32 model's dense
-    matrices) torch's int4 packing, whose kernel is faster than dequantising each product."""
+    matrices) torch's int4 packing, whose kernel is faster than dequantizing each product."""
     for module in list(text.modules()):
         if isinstance(module, QuantizedExperts) and module.fmt == INT4 and plain_cpu(*module.buffers()):
             module.gate_up_proj = TorchInt4Stack(module.gate_up_proj)

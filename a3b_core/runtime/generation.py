@@ -92,7 +92,7 @@ def generate(model: GenerationModel, prompt, *, max_new_tokens: int = 256, tempe
     """Generates one answer. Sampler values left as None take Qwen's recommendation for the prompt's thinking mode
     (see sampling.QWEN_RECOMMENDED); temperature 0 is greedy. `thinking_budget` caps the reasoning tokens, then
     forces "</think>" so the model answers. `stop` strings end the answer (they are matched in the answer only and
-    left out of it). kv_dtype int8 quantises the attention cache (see cache.py for its error bound)."""
+    left out of it). kv_dtype int8 quantizes the attention cache (see cache.py for its error bound)."""
     options = GenerationOptions(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                                 min_p=min_p, presence_penalty=presence_penalty,
                                 repetition_penalty=repetition_penalty, seed=seed, stop=stop,

@@ -281,7 +281,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     the folder's own chat template when it has one (chat_template.jinja, chat_template.json or tokenizer_config.json's),
     else with the family's built-in one; "built-in" always uses the built-in one (model.chat_template_in_use says
     which). `dense_format` int8 / int4 holds the text model's dense matrices (attention and DeltaNet projections,
-    shared experts, lm_head) weight-only quantised when the CPU computes them; "auto" keeps the compute dtype.
+    shared experts, lm_head) weight-only quantized when the CPU computes them; "auto" keeps the compute dtype.
 
     preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
     started = time.perf_counter()

@@ -7,7 +7,7 @@ experts, routers, norms, lm_head) and the cache, which must fit; the vision towe
 whole layers of routed experts as fit; and embed_tokens (a row lookup, fine on the CPU) only once everything else
 is on the GPU. Dense parts are held in the compute format (bf16, fp16 or fp32); an FP8 checkpoint's dense parts stay
 FP8 on the GPU only when the compute format would not leave room for the cache at the full context; on the CPU,
-dense_format int8 / int4 holds their matrices quantised (formats/dense.py says which), counted here at that size
+dense_format int8 / int4 holds their matrices quantized (formats/dense.py says which), counted here at that size
 (a GPU's dense parts are refused in int8 / int4: torch's weight-only kernels for them are the CPU's). Routed experts
 left over live in RAM and are computed by the CPU; RAM must hold them (weight format auto: int8, or int4 when RAM is
 short), whatever else is in RAM, and CPU_WORKSPACE_BYTES. "auto" plans for the free VRAM (torch.cuda.mem_get_info)
@@ -222,7 +222,7 @@ class Inventory:
         return _bytes(self.groups.get(group, {}), fmt)
 
     def layer_bytes(self, layer: int, fmt: str) -> int:
-        """The routed experts of one text layer in `fmt` (memoised: plans are retried with other budgets)."""
+        """The routed experts of one text layer in `fmt` (memoized: plans are retried with other budgets)."""
         if (layer, fmt) not in self._layer_bytes:
             self._layer_bytes[layer, fmt] = _bytes(self.expert_layers[layer], fmt)
         return self._layer_bytes[layer, fmt]
@@ -291,7 +291,7 @@ class _Planner:
         parts = self._dense_parts(dense_dev, dense_fmt)
         notes.append(f"dense parts (mixers, shared experts, routers, norms, lm_head) on the "
                      f"{'GPU' if gpu else 'CPU'} in {dense_fmt}"
-                     + (f" as the checkpoint stores them ({compute} where it is not fp8), dequantised per use: "
+                     + (f" as the checkpoint stores them ({compute} where it is not fp8), dequantized per use: "
                         f"{compute} would not leave room for the cache" if dense_fmt == FP8 else "")
                      + (f" (weight-only, as asked; routers, gates and embeddings stay {compute})"
                         if format_named(dense_fmt).converted else ""))
@@ -370,15 +370,15 @@ class _Planner:
         if not format_named(fmt).converted:
             return PlanPart(group, device, inv.label(group, fmt), inv.bytes(group, fmt))
         tensors = inv.groups[group]
-        quantised = {name for name, (shape, _) in tensors.items() if is_quantised_dense(name, shape)}
-        size = sum(tensor_bytes(name, shape, dtype, fmt if name in quantised else self.compute_format)
+        quantized = {name for name, (shape, _) in tensors.items() if is_quantised_dense(name, shape)}
+        size = sum(tensor_bytes(name, shape, dtype, fmt if name in quantized else self.compute_format)
                    for name, (shape, dtype) in tensors.items())
-        return PlanPart(group, device, fmt if quantised else inv.label(group, self.compute_format), size)
+        return PlanPart(group, device, fmt if quantized else inv.label(group, self.compute_format), size)
 
     def _gpu_dense_format(self, gpu_budget: int) -> str:
         """The compute format, unless the checkpoint stores dense parts in FP8 and, in the compute format, they would
         not leave room for the first cache choice at the full context (and the vision tower): then FP8 as stored,
-        dequantised per use, which costs time on every token."""
+        dequantized per use, which costs time on every token."""
         if not self.inv.dense_fp8:
             return self.compute_format
         context, kv = next(self._cache_choices(self.context_for(gpu_budget), True))
@@ -432,7 +432,7 @@ class _Planner:
             fmt = INT8
             notes.append("CPU experts in int8 (weight-only, one scale per row, ~0.5x of bf16): faster than bf16 on the "
                          "CPU at a small accuracy cost" + ("; the fp8 experts are converted once at load, since "
-                                                           "dequantising fp8 per use is slow on CPUs"
+                                                           "dequantizing fp8 per use is slow on CPUs"
                                                            if self.inv.experts_fp8 else ""))
         else:
             fmt = INT4
@@ -458,7 +458,7 @@ class _Planner:
             one_more = self.inv.layer_bytes(cpu_layers[0], self.gpu_expert_format)
             note += f" (one more layer on the GPU needs {format_bytes(one_more)})"
         if cpu_format == FP8:
-            note += "; fp8 is dequantised per use, which is slow on most CPUs"
+            note += "; fp8 is dequantized per use, which is slow on most CPUs"
         return note
 
 
@@ -497,7 +497,7 @@ def make_plan(config: ModelConfig, tensors: Tensors, preset: str = "auto", weigh
     inv = Inventory(tensors, family_for(config.model_type).classify)
     if weight_format == FP8 and inv.expert_layers and not inv.experts_fp8:
         raise PlacementError("weight_format fp8 keeps the checkpoint's FP8 experts, but this checkpoint stores "
-                             "them unquantised; use int8, int4 or bf16 (or auto), or load the model's FP8 release.")
+                             "them unquantized; use int8, int4 or bf16 (or auto), or load the model's FP8 release.")
     planner = _Planner(config, inv, weight_format, kv_cache, max_context, compute_format, dense_format)
     has_cuda = torch.cuda.is_available() if has_cuda is None else has_cuda
     if dense_format != "auto" and preset != "cpu" and has_cuda:

@@ -20,14 +20,14 @@ from ..kernels.cpu_linear import GEMV_MAX_ROWS, CpuLinear, FusedLinear
 class DenseKernel:
     """A dense matrix's product with few rows by the numba kernel (cpu_numba.matrix_rows), for the CpuLinear,
     FusedLinear or QuantizedLinear that holds the matrix and calls it (not a module: the matrix stays its owner's).
-    Rows are summed in fp32 from the exact weights and rounded once to the input's dtype. A quantised matrix's
-    products of more rows take its kernel-dequantised weights and torch's product, as the routed experts' do."""
+    Rows are summed in fp32 from the exact weights and rounded once to the input's dtype. A quantized matrix's
+    products of more rows take its kernel-dequantized weights and torch's product, as the routed experts' do."""
 
     def __init__(self, fmt: str, stack: nn.Module | torch.Tensor, kernels: ModuleType):
         self.fmt = format_named(fmt)
         self.code, self.kernels = self.fmt.kernel_code, kernels
         self.arrays = kernel_arrays(stack)
-        self.quantised = self.fmt.quantized
+        self.quantized = self.fmt.quantized
         self.shape = tuple(stack.shape[1:])  # (out, in)
 
     @property
@@ -36,11 +36,11 @@ class DenseKernel:
         return Matrix(self.code, *self.arrays)
 
     def takes(self, x: torch.Tensor) -> bool:
-        """Whether the kernel computes this product: a plain CPU tensor of few rows, or of any rows when quantised."""
-        return (self.quantised or x.numel() <= GEMV_MAX_ROWS * x.shape[-1]) and plain_cpu(x)
+        """Whether the kernel computes this product: a plain CPU tensor of few rows, or of any rows when quantized."""
+        return (self.quantized or x.numel() <= GEMV_MAX_ROWS * x.shape[-1]) and plain_cpu(x)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        if x.numel() > GEMV_MAX_ROWS * x.shape[-1]:  # quantised (takes): no bias
+        if x.numel() > GEMV_MAX_ROWS * x.shape[-1]:  # quantized (takes): no bias
             return dequantized_product(self.kernels, self.code, self.arrays, self.shape, 0, x)
         if x.dtype == torch.bfloat16 and bias is None:  # bf16 in and out as bit patterns: no torch conversions
             rows, out = bf16_arrays(x, self.shape[0])

@@ -107,8 +107,8 @@ def apply_penalties(logits: torch.Tensor, generated: torch.Tensor | None, seen: 
                     presence_penalty: float, repetition_penalty: float) -> torch.Tensor:
     """`generated` / `seen` [B, V] bool: tokens generated so far / tokens in the prompt or generated so far."""
     if repetition_penalty != 1.0 and seen is not None:
-        penalised = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
-        logits.copy_(torch.where(seen, penalised, logits))
+        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits.copy_(torch.where(seen, penalized, logits))
     if presence_penalty != 0.0 and generated is not None:
         logits.sub_(generated.to(logits.dtype) * presence_penalty)
     return logits

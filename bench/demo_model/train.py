@@ -30,7 +30,7 @@ in with tokens worth reading. The probe is not part of the model and is not expo
 
 The video skill comes last (`learn_video`): each step trains on clips, sampled as the video workflow samples them
 (4 frame groups of 36 tokens, timestamps in the prompt), beside scenes that keep the captions of still images, at a
-low learning rate from a fresh optimiser. A clip's caption is one sequence, "Describe the video." answered.
+low learning rate from a fresh optimizer. A clip's caption is one sequence, "Describe the video." answered.
 
 The storyboard request is taught last (`learn_storyboard`), the same way: each step a batch of scenes, each with its
 shot (the request answered) and its caption, beside a few clips. The shot holds the caption, but the request is 61
@@ -523,14 +523,14 @@ def scheduled_lr(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def take_step(optimiser: torch.optim.Optimizer, params: list[nn.Parameter], loss: torch.Tensor, lr: float) -> None:
+def take_step(optimizer: torch.optim.Optimizer, params: list[nn.Parameter], loss: torch.Tensor, lr: float) -> None:
     """One AdamW step at learning rate `lr`, gradients clipped to norm 1."""
-    for group in optimiser.param_groups:
+    for group in optimizer.param_groups:
         group["lr"] = lr
     loss.backward()
     torch.nn.utils.clip_grad_norm_(params, 1.0)
-    optimiser.step()
-    optimiser.zero_grad(set_to_none=True)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def scene_loader(config: dict, args: argparse.Namespace, steps: int, offset: int, one_shape_steps: int = 0,
@@ -557,11 +557,11 @@ def pretrain_vision(vision: VisionTower, probe: nn.Module, loader: torch.utils.d
     """Phase 1: the tower and the probe alone, a third of a full step's time: the tower learns to make each token
     say what its cell holds before the language model, which can only learn to read tokens that say something,
     joins in."""
-    optimiser, params = optimiser_for([vision, probe], args.lr)
+    optimizer, params = optimiser_for([vision, probe], args.lr)
     started = time.perf_counter()
     for step, batch in enumerate(loader):
         loss = probe_loss(probe, vision(batch["pixels"], batch["grids"]), batch["cells"])
-        take_step(optimiser, params, loss, scheduled_lr(step, args.vision_steps, args.lr, args.warmup))
+        take_step(optimizer, params, loss, scheduled_lr(step, args.vision_steps, args.lr, args.warmup))
         if step % args.log_every == 0:
             print(f"vision step {step:5d}  {time.perf_counter() - started:7.1f}s  probe {loss.item():.4f}", flush=True)
         if (step + 1) % args.eval_every == 0 or step == args.vision_steps - 1:
@@ -588,14 +588,14 @@ def train(args: argparse.Namespace) -> None:
                         args)
     loader = scene_loader(config, args, args.steps, args.data_offset + args.vision_steps * args.batch,
                           args.one_shape_steps)
-    optimiser, params = optimiser_for([text, vision, probe], args.lr)
+    optimizer, params = optimiser_for([text, vision, probe], args.lr)
     best = -1.0 if args.init_from is None else validation_accuracy(text, vision, validation, media)
     started = time.perf_counter()
     text.train(), vision.train()
     for step, batch in enumerate(loader):
         logits, cell_loss = forward_logits(text, vision, batch, media, probe)
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE)
-        take_step(optimiser, params, loss + args.probe_weight * cell_loss,
+        take_step(optimizer, params, loss + args.probe_weight * cell_loss,
                   scheduled_lr(step, args.steps, args.lr, args.warmup))
         if step % args.log_every == 0:
             train_exact = caption_exact(logits.detach(), batch).float().mean().item()
@@ -654,13 +654,13 @@ def mixed_phase(text: TextModel, vision: VisionTower, config: dict, args: argpar
                 scenes: torch.utils.data.DataLoader, clip_batches: torch.utils.data.DataLoader, lr: float,
                 warmup: int, eval_every: int, validations: dict[str, list[dict]], target: str) -> None:
     """A continuing phase: each step one batch of `scenes` and one of `clip_batches`, their losses summed, from a
-    fresh optimiser at a low learning rate `lr`. Of the evaluated steps whose validation accuracy (teacher-forced
+    fresh optimizer at a low learning rate `lr`. Of the evaluated steps whose validation accuracy (teacher-forced
     exact answers) on every set of `validations` but `target` is at least the start's, the one with the best
     `target` accuracy is exported."""
     torch.manual_seed(args.seed)
     media = media_ids(config)
     steps = len(scenes)
-    optimiser, params = optimiser_for([text, vision], lr)
+    optimizer, params = optimiser_for([text, vision], lr)
 
     def accuracies() -> dict[str, float]:
         return {name: validation_accuracy(text, vision, batches, media) for name, batches in validations.items()}
@@ -675,7 +675,7 @@ def mixed_phase(text: TextModel, vision: VisionTower, config: dict, args: argpar
     for step, (scene_batch, clip_batch) in enumerate(zip(scenes, clip_batches)):
         losses = [F.cross_entropy(forward_logits(text, vision, b, media)[0].flatten(0, 1), b["labels"].flatten(),
                                   ignore_index=IGNORE) for b in (scene_batch, clip_batch)]
-        take_step(optimiser, params, sum(losses), scheduled_lr(step, steps, lr, warmup))
+        take_step(optimizer, params, sum(losses), scheduled_lr(step, steps, lr, warmup))
         if step % args.log_every == 0:
             print(f"{phase} step {step:5d}  {time.perf_counter() - started:7.1f}s  scene loss {losses[0].item():.4f}  "
                   f"clip loss {losses[1].item():.4f}", flush=True)

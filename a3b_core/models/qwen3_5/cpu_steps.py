@@ -103,7 +103,7 @@ def gated_delta_step(qkv, z, beta_in, a_in, rule, history, state, out):
                 history[s, i, c] = history[s, i + 1, c]
             history[s, taps - 2, c] = qkv[s, c]
             conv[s, c] = acc / (1 + np.exp(-acc))
-    # per value head: its key head's q, k (L2-normalised, q scaled by dk^-1/2), the delta rule, the gated norm
+    # per value head: its key head's q, k (L2-normalized, q scaled by dk^-1/2), the delta rule, the gated norm
     for item in prange(batch * heads):
         s, h = item // heads, item % heads
         kh = h // (heads // rule.key_heads)

@@ -109,7 +109,7 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def gated_rms_norm(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """w * rms_norm(x) * silu(z): a plain (not zero-centred) weight, the gate applied after normalising."""
+    """w * rms_norm(x) * silu(z): a plain (not zero-centred) weight, the gate applied after normalizing."""
     return F.rms_norm(x.float(), weight.shape, weight, eps) * F.silu(z.float())  # weight: fp32 as loaded
 
 
@@ -155,7 +155,7 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = GDN_CHUNK):
 
 # ----------------------------------------------------------------------------------------------------- mlps
 class SparseMoE(RoutedExperts):
-    """Softmax router, top-k renormalised, SwiGLU experts, plus a shared expert scaled by a sigmoid gate."""
+    """Softmax router, top-k renormalized, SwiGLU experts, plus a shared expert scaled by a sigmoid gate."""
     input_projections = ("gate", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert_gate")
 
     def __init__(self, cfg: TextConfig):
