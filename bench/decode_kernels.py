@@ -1,4 +1,4 @@
-"""What each group of decoding kernels (backends/kernel_steps.py) is worth: one loaded bench model decodes with all
+"""What each group of decoding kernels (runtime/step_kernels.py) is worth: one loaded bench model decodes with all
 of them, then with one group detached at a time, then with none, in interleaved rounds; medians of ms per token.
 
     python bench/decode_kernels.py                           # bf16 compute, int8 experts, dense int8

@@ -1,4 +1,4 @@
-"""The CPU routed-expert kernel (backends/kernel_experts.py, cpu_kernels.py): one call per layer equals the routed
+"""The CPU routed-expert kernel (formats/kernel_stores.py, kernels/cpu_numba.py): one call per layer equals the routed
 step of the store it replaces, per format; whole models decode the same with it; A3B_NO_NUMBA=1 keeps torch's path."""
 from types import SimpleNamespace
 
@@ -21,7 +21,7 @@ EXPERTS, HIDDEN, INTER = 6, 256, 128
 # Stated bounds, as a fraction of the largest |output|: the kernel against the fp64 step over the store's own
 # dequantized weights (fp32 sums), and against torch's path, which rounds activations and products to bf16.
 EXACT_BOUND = 1e-5
-# int4 and int8 rows are multiplied by int16 codes of the activations (cpu_kernels.coded_groups): each input is off by
+# int4 and int8 rows are multiplied by int16 codes of the activations (cpu_numba.coded_groups): each input is off by
 # at most 1/65534 of its group's largest |x|. Measured 6e-5 here, where the formats' own rounding of the weights is
 # 1.3e-2 (int8) and 0.26 (int4) against the unquantized weights.
 CODES_BOUND = 2e-4

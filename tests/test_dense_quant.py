@@ -1,4 +1,4 @@
-"""dense_format int8 / int4: the text model's dense matrices on the CPU held weight-only quantized (backends/dense.py):
+"""dense_format int8 / int4: the text model's dense matrices on the CPU held weight-only quantized (formats/dense.py):
 which modules are swapped, their bytes, their error against the fp32 model, the plan, and the GPU refusal."""
 import pytest
 import torch

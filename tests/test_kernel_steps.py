@@ -1,4 +1,4 @@
-"""The decoding kernels besides the routed experts (backends/kernel_steps.py, cpu_kernels.py): dense products of few
+"""The decoding kernels besides the routed experts (runtime/step_kernels.py, kernels/cpu_numba.py): dense products of few
 rows and the Gated DeltaNet step equal the torch computations they replace, MoE blocks' and decoder layers' one-call
 steps equal their paths with the separate kernels; they are attached to bf16 models only, and whole models decode the
 same with them."""
@@ -225,7 +225,7 @@ def test_layer_steps_equal_the_layers_kernel_path(fixtures, which, weight_format
 
 
 def test_attention_over_many_key_blocks_equals_softmax_attention(one_thread):
-    """The layer step's attention (cpu_kernels.attend_cached) over cached tokens in several KEY_BLOCKs, the last one
+    """The layer step's attention (cpu_numba.attend_cached) over cached tokens in several KEY_BLOCKs, the last one
     partial, with query heads sharing KV heads: each block's softmax sums combined equal one softmax over all."""
     g = torch.Generator().manual_seed(0)
     tokens, kv_heads, group, dim, length = 2, 2, 3, 64, 2 * compiled_kernels().KEY_BLOCK + 88

@@ -13,7 +13,7 @@ from a3b_core.kernels import cpu_linear as products
 from a3b_core.kernels.cpu_linear import CpuLinear, FusedLinear, linear
 from a3b_core.kernels.onednn_packing import PackedLinear, packing_available
 from a3b_core.release.safetensors import Checkpoint
-from a3b_core.runtime import cpu_swaps as backends
+from a3b_core.runtime import cpu_swaps
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 
 
@@ -51,7 +51,7 @@ def test_a_cpu_without_bf16_matrix_kernels_multiplies_in_fp32(native, monkeypatc
 
 
 def test_vision_linears_take_the_widened_products_where_nothing_packs(fixtures, monkeypatch):
-    monkeypatch.setattr(backends, "packing_available", lambda: False)
+    monkeypatch.setattr(cpu_swaps, "packing_available", lambda: False)
     model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", weight_format="bf16")
     linears = [m for m in model.vision.modules() if isinstance(m, (torch.nn.Linear, PackedLinear, CpuLinear))]
     assert linears and all(isinstance(m, CpuLinear) for m in linears)

@@ -22,7 +22,7 @@ Arrays (all C-contiguous, so three compiled signatures of each kernel serve the 
 per machine; a dense matrix is held as one expert):
     q       int8 [E, chunks, out, width]: int8 as torch's store holds it (column chunks); FP8 e4m3 bytes
             [E, 1, out, in];
-            uint8 [E, 1, out, in / 2]: int4 in backends.experts.quantize_int4's layout;
+            uint8 [E, 1, out, in / 2]: int4 in formats.int4.quantize_int4's layout;
             int16 [E, 1, out, in]: bf16's bit patterns (turned into fp32 by a 16-bit shift)
     scale   float32: int8 [E, out, 1] (per row), FP8 [E, ceil(out/128), ceil(in/128)] (per 128x128 block, as released),
             int4 [E, out, 2 * groups] (each group's scale and minimum); bf16 has none (any float32 array of three

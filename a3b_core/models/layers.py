@@ -1,4 +1,4 @@
-"""Text-decoder pieces the model families build from: RMSNorm, bias-free projections (which the backends may fuse),
+"""Text-decoder pieces the model families build from: RMSNorm, bias-free projections (which loading may fuse),
 M-RoPE, causal grouped-query attention with per-head q/k norms, the routed experts of a mixture of experts, the SwiGLU
 MLP, and the decoder stack around a family's layers (rotary tables, masks, DeepStack, final norm, LM head).
 
@@ -38,7 +38,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))
         self.eps, self.offset = eps, offset
-        self.norm_kernel = None  # loading may attach a kernel for a few bf16 rows (backends/kernel_steps.py)
+        self.norm_kernel = None  # loading may attach a kernel for a few bf16 rows (runtime/row_kernels.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.norm_kernel is not None and self.norm_kernel.takes(x):
@@ -54,7 +54,7 @@ def projection(dim_in: int, dim_out: int) -> nn.Linear:
 
 def project(module: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     """x times each Linear named in `module.input_projections` (all read the same input). Loading may replace them
-    by one fused product, `module.fused_projection` (backends/products.py), which returns the same parts."""
+    by one fused product, `module.fused_projection` (kernels/cpu_linear.py), which returns the same parts."""
     if module.fused_projection is not None:
         return module.fused_projection(x)
     return [module.get_submodule(name)(x) for name in module.input_projections]
@@ -209,7 +209,7 @@ class RoutedExperts(nn.Module):
         self.cfg = cfg
         h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
         self.gate = projection(h, e)
-        self.experts = FloatExperts(e, h, i)  # loading may put another expert store in its place (backends)
+        self.experts = FloatExperts(e, h, i)  # loading may put another expert store in its place (formats/)
 
     def route(self, router_logits: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k expert ids and their weights; the top-k of a softmax, renormalized, is the softmax of
@@ -222,7 +222,7 @@ class RoutedExperts(nn.Module):
         """Groups the (token, slot) pairs by expert and runs each used expert once on its tokens, on the device
         that holds the experts: hidden states and routing of experts kept in RAM travel to the CPU in one copy, and
         the result comes back in one (the routing has to reach the host anyway, to pick the experts). When
-        `decoding` (each row is one sequence's next token), a store with `routed_step` (backends/kernel_experts.py)
+        `decoding` (each row is one sequence's next token), a store with `routed_step` (formats/kernel_stores.py)
         computes the whole step itself, for the rows it `takes`."""
         home = x.device
         if self.experts.device != home:

@@ -81,7 +81,7 @@ class NormKernel:
 
 def input_matrices(module: nn.Module) -> list[nn.Module | torch.Tensor]:
     """The matrices of the Linears named in `module.input_projections`, in order: each Linear, or its rows of the
-    fused projection's bf16 weight that took their place (backends/products.py)."""
+    fused projection's bf16 weight that took their place (kernels/cpu_linear.py)."""
     fused = module.fused_projection
     if isinstance(fused, FusedLinear):
         return list(fused.weight.split(fused.sizes))

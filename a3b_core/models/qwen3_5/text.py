@@ -29,7 +29,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         self.fused_projection: nn.Module | None = None
         # loading may attach a kernel that computes a decoding token's step after the projections in one call
-        # (backends/kernel_steps.py, DeltaNetKernel)
+        # (runtime/layer_steps.py, DeltaNetKernel)
         self.step_kernel = None
         self.cfg, self.layer = cfg, layer
         h = cfg.hidden_size
@@ -163,7 +163,7 @@ class SparseMoE(RoutedExperts):
         self.shared_expert = DenseMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
         self.shared_expert_gate = projection(cfg.hidden_size, 1)
         # loading may attach a kernel that computes a decoding step's whole block in one call
-        # (backends/kernel_steps.py, MoeStepKernel)
+        # (runtime/layer_steps.py, MoeStepKernel)
         self.step_kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -192,7 +192,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, NORM_OFFSET)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, NORM_OFFSET)
         # loading may attach a kernel that computes the layer's decoding step in one call
-        # (backends/kernel_steps.py, LayerStepKernel)
+        # (runtime/layer_steps.py, LayerStepKernel)
         self.step_kernel = None
 
     def forward(self, x, cos, sin, cache, token_mask, key_mask):
