@@ -1,4 +1,4 @@
-"""The decoding kernels besides the routed experts (runtime/step_kernels.py, kernels/cpu_numba.py): dense products of few
+"""The decoding kernels besides the routed experts (step_kernels.py, cpu_numba.py): dense products of few
 rows and the Gated DeltaNet step equal the torch computations they replace, MoE blocks' and decoder layers' one-call
 steps equal their paths with the separate kernels; they are attached to bf16 models only, and whole models decode the
 same with them."""
