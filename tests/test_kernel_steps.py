@@ -2,6 +2,8 @@
 rows and the Gated DeltaNet step equal the torch computations they replace, MoE blocks' and decoder layers' one-call
 steps equal their paths with the separate kernels; they are attached to bf16 models only, and whole models decode the
 same with them."""
+import os
+import shutil
 import subprocess
 import sys
 from collections import Counter
@@ -346,3 +348,27 @@ def test_importing_the_engine_leaves_numba_unimported():
     found = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            cwd=Path(__file__).resolve().parents[1])
     assert found.stdout.strip() == "False"
+
+
+def test_fused_steps_compile_again_when_the_generic_kernels_change(tmp_path):
+    """numba stamps a kernel's disk cache with its own file only; Qwen3.5's fused steps compile cpu_numba.py's kernels
+    in, so once cpu_numba.py changes (a newer pack) they compile again instead of loading their old copies."""
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "a3b_core", tmp_path / "a3b_core", ignore=shutil.ignore_patterns("__pycache__", "demo"))
+    code = ("import numpy as np\n"
+            "from a3b_core.kernels.arrays import BF16, Matrix\n"
+            "from a3b_core.models.qwen3_5 import cpu_steps\n"
+            "matrix = Matrix(BF16, np.zeros((1, 1, 4, 8), np.int16), np.zeros((0, 0, 0), np.float32))\n"
+            "cpu_steps.product(matrix, np.ones((2, 8), np.float32))\n"
+            "print(sum(cpu_steps.product.stats.cache_hits.values()))")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+    def loaded_from_cache() -> bool:
+        run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
+                             check=True)
+        return int(run.stdout.split()[-1]) > 0
+
+    assert not loaded_from_cache() and loaded_from_cache()
+    generic = tmp_path / "a3b_core" / "kernels" / "cpu_numba.py"
+    generic.write_text(generic.read_text() + "\n# a changed generic kernel\n")
+    assert not loaded_from_cache() and loaded_from_cache()
