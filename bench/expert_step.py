@@ -1,4 +1,5 @@
-"""One layer's routed-expert step on the CPU: torch's per-expert products vs the numba kernel (formats/kernel_stores.py).
+"""One layer's routed-expert step on the CPU: torch's per-expert products vs the numba kernel
+(formats/kernel_stores.py).
 
     python bench/expert_step.py                       # int8, int4, FP8 and bf16, 1 row, 2 threads
     python bench/expert_step.py --rows 4 --formats int8

@@ -38,7 +38,8 @@ def imported_modules(path: Path) -> list[tuple[int, str]]:
 
     def visit(node: ast.AST) -> None:
         for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and getattr(child.test, "id", getattr(child.test, "attr", "")) == "TYPE_CHECKING":
+            test = getattr(child, "test", None)
+            if isinstance(child, ast.If) and getattr(test, "id", getattr(test, "attr", "")) == "TYPE_CHECKING":
                 continue
             if isinstance(child, ast.Import):
                 found.extend((child.lineno, alias.name) for alias in child.names)

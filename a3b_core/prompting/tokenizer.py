@@ -32,8 +32,8 @@ class Tokenizer:
         backend.no_padding()
         self.backend = backend
         self.source = source
-        # Text may not contain these (conversation.py refuses them): the chat template's own control tokens and every token
-        # tokenizer.json marks special; the think tags excepted, which answers carry as ordinary text.
+        # Text may not contain these (conversation.py refuses them): the chat template's own control tokens and every
+        # token tokenizer.json marks special; the think tags excepted, which answers carry as ordinary text.
         special = {token.content for token in backend.get_added_tokens_decoder().values() if token.special}
         self.control_tokens = frozenset(SPECIAL_TOKENS) | (special - set(THINK_TOKENS))
 
