@@ -43,3 +43,7 @@ class ChatTemplateError(A3BError):
 
 class VideoError(ImageError):
     """An input clip cannot be decoded, holds no frames, or does not fit the model's context."""
+
+
+class AdapterError(A3BError):
+    """A LoRA adapter cannot be read, is unsafe, uses what is not supported, or does not fit the model."""

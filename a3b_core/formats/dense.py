@@ -42,6 +42,7 @@ class QuantizedLinear(nn.Module):
         super().__init__()
         self.matrix = QuantizedStack(fmt, (1, *weight.shape))
         self.fmt = self.matrix.fmt
+        self.out_features, self.in_features = weight.shape
         for first in range(0, weight.shape[0], QUANTISE_ROWS):
             self.matrix.set(0, weight[first:first + QUANTISE_ROWS].float(), first)
         self.rows_kernel = None  # step_kernels.DenseKernel: products of few rows, when the numba kernels load

@@ -70,6 +70,7 @@ class Fp8Linear(nn.Module):
         self.q = nn.Buffer(q.clone())
         self.scale = nn.Buffer(scale_inv.float().reshape(scale_inv.shape))
         self.block = block
+        self.out_features, self.in_features = q.shape
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, dequantize_fp8(self.q, self.scale, block=self.block, dtype=x.dtype))

@@ -71,6 +71,7 @@ class CpuLinear(nn.Module):
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
         super().__init__()
         self.weight, self.bias = weight, bias
+        self.out_features, self.in_features = weight.shape
         self.rows_kernel = None  # step_kernels.DenseKernel: products of few rows, when the numba kernels load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from ..release.config import ModelConfig, read_config
 from ..release.safetensors import Checkpoint
 from ..release.weights import Progress, find_prefix, load_module, move
 from . import cpu_swaps, devices
+from .adapters import LoraRequest, ModelAdapters
 from .forward import ForwardPass
 from .generation import SharedPrefix, generate, generate_batch, prefill_prefix
 from .inputs import ChatPrompt, EncodedImages, ImageSource
@@ -88,6 +89,7 @@ class A3BModel(ForwardPass):
         self.load_stats = load_stats
         self.chat_template = chat_template  # the folder's own, or None for the family's built-in one
         self.default_thinking = self._default_thinking()
+        self.adapters = ModelAdapters(text, vision, self.family.vision_prefixes, dtype, str(folder))
 
     def _default_thinking(self) -> bool:
         """Whether prompts think when the caller does not say: a variant's fixed mode (Qwen3-VL), else config.json's
@@ -109,6 +111,20 @@ class A3BModel(ForwardPass):
     def caption_prompt(self) -> str | None:
         """The model folder's own captioning request (config.json's a3b_caption_prompt), if it has one."""
         return self.config.caption_prompt
+
+    # ------------------------------------------------------------------------------------------- adapters
+    def set_loras(self, loras: LoraRequest) -> None:
+        """Puts exactly these LoRA adapters on the model: (PEFT adapter folder or its .safetensors file, strength)
+        pairs, strength scaling each adapter's effect (0: off; negative: inverted). [] gives the base model back
+        exactly; the base weights are never changed, whatever their format. Every adapter is checked before anything
+        changes: on an error (AdapterError, naming the adapter) the model keeps the adapters it had."""
+        self.require_loaded()
+        self.adapters.set(loras)
+
+    @property
+    def loras(self) -> list[tuple[Path, float]]:
+        """The adapters on the model: (weights file, strength) in the order given."""
+        return list(self.adapters.active)
 
     # ------------------------------------------------------------------------------------------- images
     @torch.inference_mode()
@@ -257,6 +273,7 @@ class A3BModel(ForwardPass):
 
     def release(self) -> None:
         """Drops the weights; the handle cannot be used afterwards (load the model again)."""
+        self.adapters.release()
         self.text = None
         self.vision = None
         devices.empty_cache(self.device)
@@ -274,7 +291,8 @@ def expert_cache_dir(ckpt: Checkpoint, fmt: str) -> Path:
 def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", compute_dtype: str = "auto",
                weight_format: str = "auto", kv_cache: str = "auto", max_context: int | None = None,
                progress: Progress | None = None, device: str | torch.device = "auto",
-               ram_budget: int | None = None, chat_template: str = "auto", dense_format: str = "auto") -> A3BModel:
+               ram_budget: int | None = None, chat_template: str = "auto", dense_format: str = "auto",
+               loras: LoraRequest = ()) -> A3BModel:
     """Loads a model folder of a supported family (models/), or an embedded demo model, as the preset's placement plan
     says, on `device` ("auto": the first CUDA GPU if there is one; "cpu"; "cuda" or "cuda:N"). The plan may use
     `ram_budget` bytes of RAM (default: what the system reports available). `chat_template` "auto" builds prompts with
@@ -282,6 +300,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     else with the family's built-in one; "built-in" always uses the built-in one (model.chat_template_in_use says
     which). `dense_format` int8 / int4 holds the text model's dense matrices (attention and DeltaNet projections,
     shared experts, lm_head) weight-only quantized when the CPU computes them; "auto" keeps the compute dtype.
+    `loras`: LoRA adapters to put on the model, as A3BModel.set_loras takes them.
 
     preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
     started = time.perf_counter()
@@ -340,5 +359,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
                       {layer: where("cuda") for layer in plan.gpu_expert_layers})
     cpu_swaps.prepare_cpu(text, vision, release_under(text_prefix), release_under(vision_prefix), plan.dense_format)
     stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
-    return A3BModel(folder, config, text, vision, tokenizer, plan, where(plan.dense_device), dtype, stats,
-                    folder_template)
+    model = A3BModel(folder, config, text, vision, tokenizer, plan, where(plan.dense_device), dtype, stats,
+                     folder_template)
+    model.set_loras(loras)
+    return model

@@ -1,0 +1,307 @@
+"""LoRA adapters on a loaded model: each adapted weight an adapter names found in the model and checked against its
+shape, then its side path (formats/lora.py) attached to the module that computes that weight, and every change undone
+when the adapters change, so the base weights are never touched.
+
+Where a side path goes:
+- a Linear in any format (and a vision-tower Linear): a forward hook adds the side path to its output;
+- a projection fused with its neighbours into one product (kernels/cpu_linear.FusedLinear): a hook on the fused
+  product adds it to that part of the output;
+- a layer's routed experts (PEFT's target_parameters on gate_up_proj / down_proj): the store is wrapped
+  (AdaptedExperts), so each chosen expert's products take their side paths;
+- the embedding table (PEFT's lora_embedding_A/B): a hook adds the looked-up rows of the side path;
+- whole modules an adapter replaces (modules_to_save; the embedding weights PEFT saves beside a LoRA on them): a new
+  module in the compute dtype takes the place of lm_head or embed_tokens.
+A decoding step kernel that computes an adapted module inside it (a decoder layer's or a MoE block's whole step) is
+set aside while adapters are on; the DeltaNet step kernel computes between its projections, which stay modules, and
+is kept.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..errors import AdapterError
+from ..formats.lora import AdaptedExperts, EmbeddingLowRank, ExpertLowRank, LowRank, add_side_path
+from ..models.checkpoint_layout import TEXT_PREFIXES
+from ..release.adapters import Adapter, Factors, adapter_files, read_adapter
+from .layer_steps import DeltaNetKernel
+
+LoraRequest = Sequence[tuple[str | os.PathLike, float]]  # (adapter folder or .safetensors file, strength)
+REPLACEABLE = ("lm_head", "embed_tokens")  # the modules an adapter may replace whole (modules_to_save)
+
+
+Pair = tuple[torch.Tensor, torch.Tensor]  # (a, b with the scale and strength in it)
+
+
+@dataclass
+class SidePaths:
+    """What a set of adapters attaches, gathered over the adapters: factor pairs by the module that computes them
+    (a fused product: by part index), by expert store and stack, for the embedding table; replacement modules by
+    name; and the names of the text model's adapted modules, whose enclosing step kernels step aside."""
+    linear: dict[nn.Module, list[Pair]] = field(default_factory=dict)
+    fused: dict[nn.Module, dict[int, list[Pair]]] = field(default_factory=dict)
+    experts: dict[tuple[str, nn.Module], dict[str, list[Pair]]] = field(default_factory=dict)
+    embedding: dict[nn.Module, list[Pair]] = field(default_factory=dict)
+    replaced: dict[str, nn.Module] = field(default_factory=dict)
+    adapted: set[str] = field(default_factory=set)
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a weight an adapter names is computed: a module of one tree, and its part of a fused product."""
+    tree: str
+    name: str  # the module's name in its tree (a fused part: the projection's own name)
+    module: nn.Module
+    part: int | None = None
+
+
+class ModelAdapters:
+    """The adapters on one loaded model (`text`, `vision` trees): `set` replaces them, `active` lists them."""
+
+    def __init__(self, text: nn.Module, vision: nn.Module | None, vision_prefixes: tuple[str, ...],
+                 dtype: torch.dtype, model_name: str):
+        self.trees = {"text": text, "vision": vision}
+        self.vision_prefixes, self.dtype, self.model_name = vision_prefixes, dtype, model_name
+        self.active: list[tuple[Path, float]] = []
+        self.undo: list[Callable[[], None]] = []
+        self.read: dict[tuple, Adapter] = {}  # by (weights file, size, mtime): switching back reads nothing
+
+    def set(self, loras: LoraRequest) -> None:
+        """Puts exactly these adapters (with their strengths) on the model, replacing those on it; [] leaves the
+        base model. Every adapter is read and checked before anything changes: on an error the model keeps the
+        adapters it had."""
+        wanted: list[tuple[Path, float]] = []
+        for path, strength in loras:
+            strength = float(strength)
+            if not math.isfinite(strength):
+                raise AdapterError(f"{path}: LoRA strength {strength} is not a finite number; use for example 1.0 "
+                                   "(0 switches the adapter off, negative values invert it).")
+            wanted.append((adapter_files(path)[1].resolve(), strength))
+        if wanted == self.active:
+            return
+        sides = SidePaths()
+        for path, strength in wanted:
+            if strength != 0:
+                self.gather(self.adapter(path), strength, sides)
+        self.clear()
+        self.attach(sides)
+        self.active = wanted
+
+    def adapter(self, weights: Path) -> Adapter:
+        stat = weights.stat()
+        key = (weights, stat.st_size, stat.st_mtime_ns)
+        if key not in self.read:
+            self.read = {k: v for k, v in self.read.items() if k[0] != weights}  # an older version of the file
+            self.read[key] = read_adapter(weights)
+        return self.read[key]
+
+    def clear(self) -> None:
+        """Takes every side path and replacement off: the base model as loaded."""
+        while self.undo:
+            self.undo.pop()()
+        self.active = []
+
+    def release(self) -> None:
+        """Takes the adapters off and lets go of the model's modules and the adapters read."""
+        self.clear()
+        self.trees, self.read = {"text": None, "vision": None}, {}
+
+    # ------------------------------------------------------------------------------------------- finding weights
+    def locate(self, name: str) -> tuple[str, str]:
+        """(tree, module name in it) of a module PEFT named in the transformers model."""
+        if self.trees["vision"] is not None:
+            for prefix in self.vision_prefixes:
+                if name.startswith(prefix):
+                    return "vision", name[len(prefix):]
+        prefix = next(p for p in TEXT_PREFIXES if name.startswith(p))  # the last prefix is ""
+        return "text", name[len(prefix):]
+
+    def missing(self, adapter: Adapter, name: str) -> AdapterError:
+        made_for = f" (it was made for {adapter.config.base_model})" if adapter.config.base_model else ""
+        return AdapterError(f"{adapter.path}: adapts '{name}', which {self.model_name} does not have{made_for}. The "
+                            "adapter belongs to another model: use one trained on this model.")
+
+    def find(self, adapter: Adapter, name: str, sides: SidePaths) -> Target:
+        """The module computing the weight PEFT calls `name` (a replacement the adapters bring, if any)."""
+        tree_name, rel = self.locate(name)
+        tree = self.trees[tree_name]
+        if tree_name == "text" and rel in sides.replaced:
+            return Target(tree_name, rel, sides.replaced[rel])
+        try:
+            return Target(tree_name, rel, tree.get_submodule(rel))
+        except AttributeError:
+            pass
+        parts = rel.split(".")
+        for cut in range(len(parts) - 1, 0, -1):  # a projection fused into its owner's one product
+            try:
+                owner = tree.get_submodule(".".join(parts[:cut]))
+            except AttributeError:
+                continue
+            part = ".".join(parts[cut:])
+            if getattr(owner, "fused_projection", None) is not None and part in owner.input_projections:
+                return Target(tree_name, rel, owner.fused_projection, owner.input_projections.index(part))
+        raise self.missing(adapter, name)
+
+    # ------------------------------------------------------------------------------------------- gathering
+    def gather(self, adapter: Adapter, strength: float, sides: SidePaths) -> None:
+        """Adds one adapter's side paths (at `strength`) to `sides`, each checked against the model's shapes."""
+        for name, weight in adapter.replaced.items():
+            tree_name, rel = self.locate(name)
+            if tree_name != "text" or rel not in REPLACEABLE:
+                raise AdapterError(f"{adapter.path}: replaces the whole module '{name}' (modules_to_save); only "
+                                   f"{' and '.join(REPLACEABLE)} can be replaced. Use an adapter that keeps the rest "
+                                   "as LoRA factors.")
+            sides.replaced[rel] = self.replacement(adapter, name, rel, weight)
+        for name, factors in adapter.factors.items():
+            target = self.find(adapter, name, sides)
+            if target.tree == "text":
+                sides.adapted.add(target.name)
+            if not hasattr(target.module, "gate_up"):
+                module, part = target.module, target.part
+                shape = (module.sizes[part], module.weight.shape[1]) if part is not None else matrix_shape(module)
+                if shape is None or len(factors) != 1:
+                    raise AdapterError(f"{adapter.path}: has a LoRA on '{name}', which is not one matrix in "
+                                       f"{self.model_name} ({type(module).__name__}). The adapter belongs to another "
+                                       "model: use one trained on this model.")
+                a, b = self.checked(adapter, name, factors[0], shape, 1)
+                pair = (a, b * (adapter.config.scale(name, a.shape[0]) * strength))
+                if part is None:
+                    sides.linear.setdefault(module, []).append(pair)
+                else:
+                    sides.fused.setdefault(module, {}).setdefault(part, []).append(pair)
+            else:
+                stacks = sides.experts.setdefault((target.name, target.module), {})
+                for stack, pair in self.expert_pairs(adapter, name, target.module, factors, strength):
+                    stacks.setdefault(stack, []).append(pair)
+        for name, factor in adapter.embedding_factors.items():
+            target = self.find(adapter, name, sides)
+            if not isinstance(target.module, nn.Embedding):
+                raise self.missing(adapter, name)
+            vocab, hidden = target.module.weight.shape
+            if factor.a.shape[1] != vocab or factor.b.shape[0] != hidden:
+                raise self.shape_error(adapter, name, factor, (hidden, vocab))
+            pair = (factor.a, factor.b * (adapter.config.scale(name, factor.a.shape[0]) * strength))
+            sides.embedding.setdefault(target.module, []).append(pair)
+
+    def expert_pairs(self, adapter: Adapter, name: str, store: nn.Module, factors: list[Factors],
+                     strength: float) -> list[tuple[str, Pair]]:
+        """("gate_up" / "down", (a [E, r, in], b [E, out, r])) for each stack an adapter's factors adapt, told apart
+        by their shapes (gate_up_proj reads the hidden size, down_proj the expert size, which never agree)."""
+        stacks = {"gate_up": tuple(store.gate_up_proj.shape), "down": tuple(store.down_proj.shape)}
+        pairs = []
+        for factor in factors:
+            fitting = [k for k, (_, out, inp) in stacks.items()
+                       if factor.a.shape[1] == inp and factor.b.shape[0] == out]
+            if not fitting:
+                raise self.shape_error(adapter, name, factor, stacks["gate_up"][1:])
+            stack = fitting[0]
+            experts, out, inp = stacks[stack]
+            a, b = self.checked(adapter, name, factor, (out, inp), experts)
+            r = a.shape[0] // experts
+            scale = adapter.config.scale(f"{name}.{stack}_proj", r) * strength
+            pairs.append((stack, (a.reshape(experts, r, inp), b.reshape(out, r, experts).permute(2, 0, 1) * scale)))
+        return pairs
+
+    def checked(self, adapter: Adapter, name: str, factor: Factors, shape: tuple[int, int],
+                experts: int) -> Pair:
+        """A pair whose product is a matrix of `shape` [out, in] (for each of `experts` experts)."""
+        out, inp = shape
+        if factor.a.shape[1] != inp or factor.b.shape[0] != out or factor.a.shape[0] % experts:
+            raise self.shape_error(adapter, name, factor, shape)
+        return factor.a, factor.b
+
+    def shape_error(self, adapter: Adapter, name: str, factor: Factors, shape: tuple[int, ...]) -> AdapterError:
+        made_for = f" (it was made for {adapter.config.base_model})" if adapter.config.base_model else ""
+        return AdapterError(f"{adapter.path}: the LoRA on '{name}' maps {factor.a.shape[1]} inputs to "
+                            f"{factor.b.shape[0]} outputs (A {tuple(factor.a.shape)}, B {tuple(factor.b.shape)}), but "
+                            f"{self.model_name}'s matrix there is {list(shape)} [out, in]{made_for}. The adapter "
+                            "belongs to another model or size: use one trained on this model.")
+
+    def replacement(self, adapter: Adapter, name: str, rel: str, weight: torch.Tensor) -> nn.Module:
+        """The module that takes the place of lm_head / embed_tokens, holding the adapter's weight."""
+        base = self.trees["text"].get_submodule(rel)
+        shape = (base.num_embeddings, base.embedding_dim) if isinstance(base, nn.Embedding) else \
+            (base.out_features, base.in_features)
+        if tuple(weight.shape) != shape:
+            raise AdapterError(f"{adapter.path}: replaces '{name}' with a {list(weight.shape)} weight, but "
+                               f"{self.model_name}'s is {list(shape)}. The adapter belongs to another model (or "
+                               "resized the vocabulary, which this pack does not load).")
+        weight = weight.to(module_device(base), self.dtype)
+        if isinstance(base, nn.Embedding):
+            return nn.Embedding.from_pretrained(weight, freeze=True)
+        module = nn.Linear(shape[1], shape[0], bias=False, device="meta")
+        module.weight = nn.Parameter(weight, requires_grad=False)
+        return module
+
+    # ------------------------------------------------------------------------------------------- attaching
+    def attach(self, sides: SidePaths) -> None:
+        """Attaches gathered side paths and replacements; each change leaves its undo in `self.undo`."""
+        text = self.trees["text"]
+        for rel, module in sides.replaced.items():
+            self.swap(text, rel, module)
+        for module, pairs in sides.linear.items():
+            side = self.low_rank(LowRank, pairs, module)
+            hook = module.register_forward_hook(lambda _m, args, out, side=side: add_side_path(side, args[0], out))
+            self.undo.append(hook.remove)
+        for fused, parts in sides.fused.items():
+            by_part = {part: self.low_rank(LowRank, pairs, fused) for part, pairs in parts.items()}
+            hook = fused.register_forward_hook(
+                lambda _m, args, out, by_part=by_part: [add_side_path(by_part[i], args[0], o) if i in by_part else o
+                                                        for i, o in enumerate(out)])
+            self.undo.append(hook.remove)
+        for embedding, pairs in sides.embedding.items():
+            side = self.low_rank(EmbeddingLowRank, pairs, embedding)
+            hook = embedding.register_forward_hook(lambda _m, args, out, side=side: add_side_path(side, args[0], out))
+            self.undo.append(hook.remove)
+        for (rel, store), stacks in sides.experts.items():
+            gate_up, down = (self.expert_low_rank(stacks.get(which), store) for which in ("gate_up", "down"))
+            self.swap(text, rel, AdaptedExperts(store, gate_up, down))
+        for rel in sides.adapted:
+            self.step_aside(text, rel)
+
+    def swap(self, tree: nn.Module, rel: str, module: nn.Module) -> None:
+        parent_name, _, leaf = rel.rpartition(".")
+        parent = tree.get_submodule(parent_name)
+        base = getattr(parent, leaf)
+        setattr(parent, leaf, module)
+        self.undo.append(lambda: setattr(parent, leaf, base))
+
+    def step_aside(self, text: nn.Module, rel: str) -> None:
+        """Sets aside the step kernels of the modules enclosing `rel` that would compute it inside them."""
+        parts = rel.split(".")
+        for cut in range(len(parts) - 1, 0, -1):
+            owner = text.get_submodule(".".join(parts[:cut]))
+            kernel = getattr(owner, "step_kernel", None)
+            if kernel is not None and not isinstance(kernel, DeltaNetKernel):
+                owner.step_kernel = None
+                self.undo.append(lambda owner=owner, kernel=kernel: setattr(owner, "step_kernel", kernel))
+
+    def low_rank(self, kind: type[LowRank], pairs: list[Pair], module: nn.Module) -> LowRank:
+        """One side path of all adapters' pairs on a module, in the compute dtype on the module's device."""
+        device = module_device(module)
+        return kind(torch.cat([a for a, _ in pairs]).to(device, self.dtype),
+                    torch.cat([b for _, b in pairs], dim=1).to(device, self.dtype))
+
+    def expert_low_rank(self, pairs: list[Pair] | None, store: nn.Module) -> ExpertLowRank | None:
+        if pairs is None:
+            return None
+        return ExpertLowRank(torch.cat([a for a, _ in pairs], dim=1).to(store.device, self.dtype),
+                             torch.cat([b for _, b in pairs], dim=2).to(store.device, self.dtype))
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where a module's weights are (its first parameter or buffer)."""
+    return next(iter([*module.parameters(), *module.buffers()])).device
+
+
+def matrix_shape(module: nn.Module) -> tuple[int, int] | None:
+    """[out, in] of a Linear in any of the model's formats (each offers in_features / out_features), else None."""
+    if isinstance(module, nn.Embedding) or not hasattr(module, "in_features"):
+        return None
+    return module.out_features, module.in_features
