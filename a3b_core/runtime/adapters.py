@@ -74,8 +74,8 @@ class ModelAdapters:
 
     def set(self, loras: LoraRequest) -> None:
         """Puts exactly these adapters (with their strengths) on the model, replacing those on it; [] leaves the
-        base model. Every adapter is read and checked before anything changes: on an error the model keeps the
-        adapters it had."""
+        base model. On an error (an adapter that cannot be read or does not fit) the model keeps the adapters it
+        had."""
         wanted: list[tuple[Path, float]] = []
         for path, strength in loras:
             strength = float(strength)
@@ -85,13 +85,23 @@ class ModelAdapters:
             wanted.append((adapter_files(path)[1].resolve(), strength))
         if wanted == self.active:
             return
+        previous = self.active
+        self.clear()  # the adapters are found in the base model, without the side paths and replacements now on
+        try:
+            self.attach(self.gathered(wanted))
+        except BaseException:
+            self.clear()
+            self.attach(self.gathered(previous))  # checked when they were put on
+            self.active = previous
+            raise
+        self.active = wanted
+
+    def gathered(self, loras: list[tuple[Path, float]]) -> SidePaths:
         sides = SidePaths()
-        for path, strength in wanted:
+        for path, strength in loras:
             if strength != 0:
                 self.gather(self.adapter(path), strength, sides)
-        self.clear()
-        self.attach(sides)
-        self.active = wanted
+        return sides
 
     def adapter(self, weights: Path) -> Adapter:
         stat = weights.stat()
