@@ -7,9 +7,10 @@
     python bench/speed.py --no-llama --no-transformers --ours bf16 --vl   # Qwen3-VL-MoE vs Qwen3.5 per parameter
     python bench/speed.py --no-llama --ours bf16+int8,bf16+int8+dense8,bf16+int4+dense4   # dense int8 / int4
 
-An --ours configuration is `compute[+experts][+denseN]`: the compute dtype (fp32, bf16), the routed experts' format
-(fp32, bf16, fp8, int8, int4; default: the compute dtype) and, with +dense8 / +dense4, the dense matrices held as int8
-/ int4 (load option dense_format; default: the compute dtype).
+An --ours configuration is `compute[+experts][+denseN][+loraR]`: the compute dtype (fp32, bf16), the routed experts'
+format (fp32, bf16, fp8, int8, int4; default: the compute dtype), with +dense8 / +dense4 the dense matrices held as int8
+/ int4 (load option dense_format; default: the compute dtype), and with +loraR a rank-R LoRA adapter on every
+projection (attention, DeltaNet, shared expert; worker.py writes it).
 
 All systems run the same random-weight checkpoint (bench_model.py: Qwen3.5-MoE text, 1.8 B parameters, 64 experts
 top-8) on the same thread count, each measurement in its own process (so peak RSS is that system's), in rounds that
@@ -97,28 +98,31 @@ def run_child(command: list[str], env: dict) -> tuple[str, int]:
 DENSE_SPECS = {"dense8": "int8", "dense4": "int4"}  # an --ours suffix -> the load option dense_format
 
 
-def ours_spec(spec: str) -> tuple[str, str, str]:
-    """'bf16+int4' -> (compute dtype, routed-expert format, dense format); 'fp32' -> ('float32', 'fp32', 'auto');
-    'bf16+int8+dense8' -> ('bfloat16', 'int8', 'int8'). fp8 means the checkpoint's own FP8 experts (the FP8-layout
-    copy of the bench model)."""
+def ours_spec(spec: str) -> tuple[str, str, str, int]:
+    """'bf16+int4' -> (compute dtype, routed-expert format, dense format, LoRA rank); 'fp32' -> ('float32', 'fp32',
+    'auto', 0); 'bf16+int8+dense8+lora16' -> ('bfloat16', 'int8', 'int8', 16). fp8 means the checkpoint's own FP8
+    experts (the FP8-layout copy of the bench model)."""
     compute, *rest = spec.split("+")
+    lora = int(rest.pop()[4:]) if rest and rest[-1].startswith("lora") and rest[-1][4:].isdigit() else 0
     dense = DENSE_SPECS[rest.pop()] if rest and rest[-1] in DENSE_SPECS else "auto"
     experts = rest[0] if len(rest) == 1 else ""
     if compute not in COMPUTE_DTYPES or len(rest) > 1 or experts not in ("", "fp32", "bf16", "fp8", "int8", "int4"):
         raise SystemExit(f"--ours {spec!r}: expected a compute dtype ({', '.join(COMPUTE_DTYPES)}), optionally "
                          "followed by +fp8, +int8, +int4, +bf16 or +fp32 for the routed experts and by +dense8 or "
-                         "+dense4 for the dense matrices (e.g. bf16+int4, bf16+int8+dense8).")
-    return COMPUTE_DTYPES[compute], experts or compute, dense
+                         "+dense4 for the dense matrices and by +loraR for a rank-R adapter (e.g. bf16+int4, "
+                         "bf16+int8+dense8, bf16+lora16).")
+    return COMPUTE_DTYPES[compute], experts or compute, dense, lora
 
 
 def ours_command(args, spec: str, mode: str, *options: str, tree: Path = HERE.parent,
                  family: str = FAMILIES[0]) -> list[str]:
-    dtype, experts, dense = ours_spec(spec)
+    dtype, experts, dense, lora = ours_spec(spec)
     model_dir = checkpoint_folder(args.small, fp8=experts == "fp8", family=family)
-    # given only when asked: a --baseline engine older than the option runs the other configurations unchanged
+    # given only when asked: a --baseline engine older than an option runs the other configurations unchanged
     dense_option = ("--dense-format", dense) if dense != "auto" else ()
+    lora_option = ("--lora-rank", str(lora)) if lora else ()
     return worker(args.threads, mode, "--model", str(model_dir), "--dtype", dtype, "--format", experts,
-                  *dense_option, *options, tree=tree)
+                  *dense_option, *lora_option, *options, tree=tree)
 
 
 def worker(threads: int, *args: str, tree: Path = HERE.parent) -> list[str]:

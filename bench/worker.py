@@ -2,6 +2,7 @@
 
     python bench/worker.py ours --model DIR --dtype bfloat16 --format int4 --prefill 512 --decode 128
     python bench/worker.py ours --model DIR --dtype bfloat16 --format int8 --dense-format int8
+    python bench/worker.py ours --model DIR --dtype bfloat16 --lora-rank 16
     python bench/worker.py transformers --model DIR --dtype float32 --prefill 512 --decode 128
     python bench/worker.py image-ttft [--model DIR]
     python bench/worker.py video-ttft [--model DIR]
@@ -54,10 +55,51 @@ def report(values: dict) -> None:
 def load_ours(args):
     from a3b_core import load_model
 
+    loras = [(bench_adapter(args.model, args.lora_rank), 1.0)] if args.lora_rank else []
     started = time.perf_counter()
     model = load_model(args.model, preset="cpu", compute_dtype=args.dtype, weight_format=args.format,
-                       dense_format=args.dense_format)
+                       dense_format=args.dense_format, loras=loras)
     return model, time.perf_counter() - started
+
+
+# every projection PEFT's target_modules="all-linear" adapts in the bench model (its router is no nn.Linear)
+ADAPTED = {"self_attn": ("q_proj", "k_proj", "v_proj", "o_proj"),
+           "linear_attn": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"),
+           "mlp": ("shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+                   "shared_expert_gate")}
+
+
+def bench_adapter(model_dir: Path, rank: int) -> Path:
+    """A rank-`rank` LoRA adapter in PEFT's format on every projection of the bench model (seeded factors), written
+    once beside the checkpoint; each module's shape is read from the checkpoint's headers."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    folder = model_dir.parent / f"{model_dir.name}-lora{rank}"
+    if (folder / "adapter_config.json").is_file():
+        return folder
+    generator = torch.Generator().manual_seed(rank)
+    factors, targets = {}, set()
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            for name in f.keys():
+                module = name.removesuffix(".weight")
+                mixer, _, leaf = module.partition(".layers.")[2].partition(".")[2].partition(".")
+                if leaf not in ADAPTED.get(mixer, ()):
+                    continue
+                out, inp = f.get_slice(name).get_shape()
+                factors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(rank, inp, generator=generator) \
+                    / inp ** 0.5
+                factors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(out, rank, generator=generator) \
+                    * 0.02
+                targets.add(leaf.rpartition(".")[2])
+    staging = folder.with_name(folder.name + ".partial")
+    staging.mkdir(parents=True, exist_ok=True)
+    save_file(factors, staging / "adapter_model.safetensors")
+    (staging / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": rank,
+                                                             "target_modules": sorted(targets)}))
+    staging.rename(folder)
+    return folder
 
 
 def greedy(model, ids: torch.Tensor, new_tokens: int) -> dict:
@@ -208,6 +250,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--format", default="auto", help="our routed-expert format: auto|fp32|bf16|fp8|int8|int4")
     parser.add_argument("--dense-format", default="auto", help="our dense matrices' format: auto|int8|int4")
+    parser.add_argument("--lora-rank", type=int, default=0, help="ours: a LoRA of this rank on every projection")
     parser.add_argument("--prefill", type=int, default=512)
     parser.add_argument("--decode", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
