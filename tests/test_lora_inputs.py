@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 from a3b_core import load_model
 from a3b_core.errors import AdapterError
+from a3b_core.formats.kernel_stores import kernels_enabled
 from a3b_core.formats.lora import AdaptedExperts
 from a3b_core.runtime.loader import DEMO_MODELS
 from tests.fake_cuda import FakeCuda
@@ -76,11 +77,12 @@ def test_the_side_path_adds_exactly_its_product_beside_every_base_format(fixture
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
-@pytest.mark.parametrize("folder", ["moe_fused_bf16", "dense"])
-def test_decoding_with_adapters_gives_the_tokens_a_full_forward_picks(fixtures, tmp_path, folder):
-    """Greedy decoding (step by step, the fused step kernels set aside where adapters sit) picks the tokens the full
-    forward pass of the same model with the same adapters picks, wherever that pick is clear of bf16's rounding
-    (a top-2 gap above 0.3), and the adapter changes the answer."""
+@pytest.mark.parametrize("folder,experts", [("moe_fused_bf16", True), ("moe_fused_bf16", False), ("dense", False)])
+def test_decoding_with_adapters_gives_the_tokens_a_full_forward_picks(fixtures, tmp_path, folder, experts):
+    """Greedy decoding (step by step: the fused decoding steps built again with the side paths, or the separate
+    kernels where the routed experts are adapted) picks the tokens the full forward pass of the same model with the
+    same adapters picks, wherever that pick is clear of bf16's rounding (a top-2 gap above 0.3), and the adapter
+    changes the answer."""
     path = getattr(fixtures, folder)
     config = config_of(path)
     if folder == "dense":
@@ -90,11 +92,15 @@ def test_decoding_with_adapters_gives_the_tokens_a_full_forward_picks(fixtures, 
         weights[Q_PROJ] = factors(512, 128, 4, 9)
         lora = write_adapter(tmp_path / "dense", weights, 4, 8)
     else:
-        lora = qwen3_5_adapter(tmp_path / "moe", config, size=1.0)
+        lora = qwen3_5_adapter(tmp_path / "moe", config, size=1.0, experts=experts)
     model = load_model(path, preset="cpu", compute_dtype="bfloat16")
     prompt = torch.tensor([5, 17, 99, 3, 250, 41, 7, 8])
     base = model.generate(prompt, max_new_tokens=16, temperature=0).token_ids
+    steps = [layer.step_kernel for layer in model.text.layers]
     model.set_loras([(lora, 1.0)])
+    if folder == "moe_fused_bf16" and kernels_enabled():  # the fused steps, built again with the side paths
+        assert all((layer.step_kernel is None) == experts for layer in model.text.layers)
+        assert all(new is not old for new, old in zip((layer.step_kernel for layer in model.text.layers), steps))
     tokens = model.generate(prompt, max_new_tokens=16, temperature=0).token_ids
     full = model.logits(torch.cat([prompt, torch.tensor(tokens)])[None])[0, len(prompt) - 1:-1]
     top = full.topk(2, dim=-1)
@@ -103,6 +109,7 @@ def test_decoding_with_adapters_gives_the_tokens_a_full_forward_picks(fixtures, 
     assert [t for t, c in zip(top.indices[:, 0].tolist(), clear) if c] == [t for t, c in zip(tokens, clear) if c]
     assert tokens != base
     model.set_loras([])
+    assert [layer.step_kernel for layer in model.text.layers] == steps
     assert model.generate(prompt, max_new_tokens=16, temperature=0).token_ids == base
 
 

@@ -3,9 +3,13 @@ fp32, int8, int4, FP8, on the CPU or a GPU) and the side path adds scale * B (A 
 base is never dequantized or quantized again, and taking the side path off leaves the base exactly as it was.
 
 Several adapters on one matrix are one side path: their ranks concatenated, each B multiplied by its scale and
-strength.
+strength. A module's side paths are its attribute `lora_side_paths` ({None: side} for a Linear or an embedding,
+{part: side} for a fused product's parts), which a forward hook adds to its output and which the CPU's fused decoding
+steps read (runtime/row_kernels.py).
 """
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +69,27 @@ def with_side_path(out: torch.Tensor, side: ExpertLowRank | None, e: int, x: tor
     return out if side is None else out + side(e, x).to(out.dtype)
 
 
-def add_side_path(side: LowRank, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """A module's output with its side path added, in the output's dtype."""
-    return out + side(x).to(out.dtype)
+def side_paths(module: nn.Module) -> dict[int | None, LowRank]:
+    """The side paths a module's output takes (none: {})."""
+    return getattr(module, "lora_side_paths", {})
+
+
+def add_side_paths(module: nn.Module, args: tuple, out: torch.Tensor | list[torch.Tensor]
+                   ) -> torch.Tensor | list[torch.Tensor]:
+    """The forward hook of a module with side paths: its output (or each part of a fused product's) plus the side
+    path of its input, in the output's dtype."""
+    sides, x = module.lora_side_paths, args[0]
+    if isinstance(out, list):
+        return [o + sides[i](x).to(o.dtype) if i in sides else o for i, o in enumerate(out)]
+    return out + sides[None](x).to(out.dtype)
+
+
+def attach_side_paths(module: nn.Module, sides: dict[int | None, LowRank]) -> Callable[[], None]:
+    """Gives `module` these side paths; returns what takes them off again."""
+    module.lora_side_paths = sides
+    hook = module.register_forward_hook(add_side_paths)
+
+    def detach() -> None:
+        hook.remove()
+        del module.lora_side_paths
+    return detach

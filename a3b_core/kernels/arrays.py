@@ -7,11 +7,16 @@ from typing import NamedTuple
 import numpy as np
 
 INT8, FP8, BF16, INT4 = 0, 1, 2, 3
+NO_SIDE_PATH = np.zeros((0, 0), np.float32)
 
 
 class Matrix(NamedTuple):
     """A matrix (or stack of experts' matrices) as the kernels read it: its format code and its arrays (q, scale), as
-    kernels built from cpu_numba.py's products take it (numba reads NamedTuples in nopython mode)."""
+    kernels built from cpu_numba.py's products take it (numba reads NamedTuples in nopython mode). A dense matrix may
+    carry a LoRA side path added to its product: side_a [R, in] and side_b [out, R] (fp32 holding bf16 values, the
+    scales in side_b); R = 0: none."""
     code: int
     q: np.ndarray
     scale: np.ndarray
+    side_a: np.ndarray = NO_SIDE_PATH
+    side_b: np.ndarray = NO_SIDE_PATH

@@ -11,9 +11,9 @@ Where a side path goes:
 - the embedding table (PEFT's lora_embedding_A/B): a hook adds the looked-up rows of the side path;
 - whole modules an adapter replaces (modules_to_save; the embedding weights PEFT saves beside a LoRA on them): a new
   module in the compute dtype takes the place of lm_head or embed_tokens.
-A decoding step kernel that computes an adapted module inside it (a decoder layer's or a MoE block's whole step) is
-set aside while adapters are on; the DeltaNet step kernel computes between its projections, which stay modules, and
-is kept.
+A Qwen3.5 layer's fused decoding steps on the CPU (a MoE block's or a decoder layer's whole step in one numba call,
+runtime/step_kernels.py) are built again with the side paths of the projections they compute; an adapter on the
+routed experts leaves that layer to the separate kernels.
 """
 from __future__ import annotations
 
@@ -27,10 +27,10 @@ import torch
 from torch import nn
 
 from ..errors import AdapterError
-from ..formats.lora import AdaptedExperts, EmbeddingLowRank, ExpertLowRank, LowRank, add_side_path
+from ..formats.lora import AdaptedExperts, EmbeddingLowRank, ExpertLowRank, LowRank, attach_side_paths
 from ..models.checkpoint_layout import TEXT_PREFIXES
 from ..release.adapters import Adapter, Factors, adapter_files, read_adapter
-from .layer_steps import DeltaNetKernel
+from .step_kernels import refit_step_kernels
 
 LoraRequest = Sequence[tuple[str | os.PathLike, float]]  # (adapter folder or .safetensors file, strength)
 REPLACEABLE = ("lm_head", "embed_tokens")  # the modules an adapter may replace whole (modules_to_save)
@@ -256,24 +256,18 @@ class ModelAdapters:
         for rel, module in sides.replaced.items():
             self.swap(text, rel, module)
         for module, pairs in sides.linear.items():
-            side = self.low_rank(LowRank, pairs, module)
-            hook = module.register_forward_hook(lambda _m, args, out, side=side: add_side_path(side, args[0], out))
-            self.undo.append(hook.remove)
+            self.undo.append(attach_side_paths(module, {None: self.low_rank(LowRank, pairs, module)}))
         for fused, parts in sides.fused.items():
-            by_part = {part: self.low_rank(LowRank, pairs, fused) for part, pairs in parts.items()}
-            hook = fused.register_forward_hook(
-                lambda _m, args, out, by_part=by_part: [add_side_path(by_part[i], args[0], o) if i in by_part else o
-                                                        for i, o in enumerate(out)])
-            self.undo.append(hook.remove)
+            self.undo.append(attach_side_paths(fused, {part: self.low_rank(LowRank, pairs, fused)
+                                                       for part, pairs in parts.items()}))
         for embedding, pairs in sides.embedding.items():
-            side = self.low_rank(EmbeddingLowRank, pairs, embedding)
-            hook = embedding.register_forward_hook(lambda _m, args, out, side=side: add_side_path(side, args[0], out))
-            self.undo.append(hook.remove)
+            self.undo.append(attach_side_paths(embedding, {None: self.low_rank(EmbeddingLowRank, pairs, embedding)}))
         for (rel, store), stacks in sides.experts.items():
             gate_up, down = (self.expert_low_rank(stacks.get(which), store) for which in ("gate_up", "down"))
             self.swap(text, rel, AdaptedExperts(store, gate_up, down))
-        for rel in sides.adapted:
-            self.step_aside(text, rel)
+        verdicts: dict = {}  # each kind of layer step checked once with its side paths
+        for index in sorted({int(rel.split(".")[1]) for rel in sides.adapted if rel.startswith("layers.")}):
+            self.refit(text.layers[index], verdicts)
 
     def swap(self, tree: nn.Module, rel: str, module: nn.Module) -> None:
         parent_name, _, leaf = rel.rpartition(".")
@@ -282,15 +276,18 @@ class ModelAdapters:
         setattr(parent, leaf, module)
         self.undo.append(lambda: setattr(parent, leaf, base))
 
-    def step_aside(self, text: nn.Module, rel: str) -> None:
-        """Sets aside the step kernels of the modules enclosing `rel` that would compute it inside them."""
-        parts = rel.split(".")
-        for cut in range(len(parts) - 1, 0, -1):
-            owner = text.get_submodule(".".join(parts[:cut]))
-            kernel = getattr(owner, "step_kernel", None)
-            if kernel is not None and not isinstance(kernel, DeltaNetKernel):
-                owner.step_kernel = None
-                self.undo.append(lambda owner=owner, kernel=kernel: setattr(owner, "step_kernel", kernel))
+    def refit(self, layer: nn.Module, verdicts: dict) -> None:
+        """Builds the fused decoding steps of an adapted decoder layer again with its side paths (where the layer
+        has them: a Qwen3.5 layer on the CPU with the numba kernels); the layer's own steps come back with the
+        undo."""
+        if getattr(layer, "step_kernel", None) is None and getattr(layer.mlp, "step_kernel", None) is None:
+            return
+        kernels = (layer.step_kernel, layer.mlp.step_kernel)
+
+        def restore() -> None:
+            layer.step_kernel, layer.mlp.step_kernel = kernels
+        self.undo.append(restore)
+        refit_step_kernels(layer, verdicts)
 
     def low_rank(self, kind: type[LowRank], pairs: list[Pair], module: nn.Module) -> LowRank:
         """One side path of all adapters' pairs on a module, in the compute dtype on the module's device."""

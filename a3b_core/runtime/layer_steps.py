@@ -23,7 +23,8 @@ from ..formats.stores import CpuFloatExperts, QuantizedExperts
 from ..formats.table import BF16
 from ..kernels.arrays import Matrix
 from ..models.kv_cache import KVCache
-from .row_kernels import DenseKernel, NormKernel, bf16_arrays, bf16_tensor, dense_kernel, input_matrices
+from .row_kernels import (DenseKernel, NormKernel, bf16_arrays, bf16_tensor, dense_kernel, input_matrices,
+                          with_side_path)
 
 if TYPE_CHECKING:
     from ..models.qwen3_5.cpu_steps import AttentionWeights, DeltaNetWeights, LayerNorms, MoeWeights
@@ -85,8 +86,8 @@ class MoeStepKernel:
     @classmethod
     def of(cls, moe: nn.Module, kernels: ModuleType) -> MoeStepKernel | None:
         """The kernel of a SparseMoE whose matrices and experts the kernels read, or None."""
-        matrices = [*input_matrices(moe), moe.shared_expert.down_proj]
-        parts = [dense_kernel(m, kernels) for m in matrices]
+        matrices = [*input_matrices(moe), with_side_path(moe.shared_expert.down_proj)]
+        parts = [dense_kernel(m, kernels, side) for m, side in matrices]
         if not isinstance(moe.experts, KernelExperts) or any(p is None for p in parts):
             return None
         router, gate, up, mix, down = parts
@@ -159,7 +160,8 @@ class DeltaNetLayerKernel(LayerStepKernel):
         delta = mixer.step_kernel
         if shared is None or not isinstance(delta, DeltaNetKernel) or delta.rule.eps != shared[0].eps:
             return None
-        qkv, z, b, a, out = (dense_kernel(m, kernels) for m in (*input_matrices(mixer), mixer.out_proj))
+        qkv, z, b, a, out = (dense_kernel(m, kernels, side)
+                             for m, side in (*input_matrices(mixer), with_side_path(mixer.out_proj)))
         if any(p is None for p in (qkv, z, b, a, out)) or not qkv.fmt == z.fmt == out.fmt \
                 or not b.fmt == a.fmt == BF16:
             return None
@@ -205,7 +207,8 @@ class AttentionLayerKernel(LayerStepKernel):
         if shared is None or not attn.output_gate or not all(
                 isinstance(n, NormKernel) and n.eps == shared[0].eps for n in head_norms):
             return None
-        q, k, v, o = (dense_kernel(m, kernels) for m in (*input_matrices(attn), attn.o_proj))
+        q, k, v, o = (dense_kernel(m, kernels, side)
+                      for m, side in (*input_matrices(attn), with_side_path(attn.o_proj)))
         if any(p is None for p in (q, k, v, o)) or not q.fmt == k.fmt == v.fmt == o.fmt:
             return None
         weights = qwen3_5_steps().AttentionWeights(q.matrix, k.matrix, v.matrix, o.matrix, head_norms[0].scale,

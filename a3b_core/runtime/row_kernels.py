@@ -12,6 +12,7 @@ from torch import nn
 
 from ..formats.dense import QuantizedLinear
 from ..formats.kernel_stores import KERNEL_FORMATS, LOCK, dequantized_product, kernel_arrays, plain_cpu, set_threads
+from ..formats.lora import LowRank, side_paths
 from ..formats.table import BF16, format_named
 from ..kernels.arrays import Matrix
 from ..kernels.cpu_linear import GEMV_MAX_ROWS, CpuLinear, FusedLinear
@@ -23,17 +24,20 @@ class DenseKernel:
     Rows are summed in fp32 from the exact weights and rounded once to the input's dtype. A quantized matrix's
     products of more rows take its kernel-dequantized weights and torch's product, as the routed experts' do."""
 
-    def __init__(self, fmt: str, stack: nn.Module | torch.Tensor, kernels: ModuleType):
+    def __init__(self, fmt: str, stack: nn.Module | torch.Tensor, kernels: ModuleType, side: LowRank | None = None):
         self.fmt = format_named(fmt)
         self.code, self.kernels = self.fmt.kernel_code, kernels
         self.arrays = kernel_arrays(stack)
         self.quantized = self.fmt.quantized
         self.shape = tuple(stack.shape[1:])  # (out, in)
+        # a LoRA side path, for the fused steps only: this kernel's own products are the module's, whose side path
+        # its owner adds (runtime/adapters.py)
+        self.side = () if side is None else tuple(t.detach().float().contiguous().numpy() for t in (side.a, side.b))
 
     @property
     def matrix(self) -> Matrix:
-        """The matrix as the fused steps read it."""
-        return Matrix(self.code, *self.arrays)
+        """The matrix (with its side path, if any) as the fused steps read it."""
+        return Matrix(self.code, *self.arrays, *self.side)
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether the kernel computes this product: a plain CPU tensor of few rows, or of any rows when quantized."""
@@ -79,13 +83,18 @@ class NormKernel:
         return bf16_tensor(out, x.shape)
 
 
-def input_matrices(module: nn.Module) -> list[nn.Module | torch.Tensor]:
-    """The matrices of the Linears named in `module.input_projections`, in order: each Linear, or its rows of the
-    fused projection's bf16 weight that took their place (kernels/cpu_linear.py)."""
+def input_matrices(module: nn.Module) -> list[tuple[nn.Module | torch.Tensor, LowRank | None]]:
+    """The matrices of the Linears named in `module.input_projections`, in order, with their LoRA side paths: each
+    Linear, or its rows of the fused projection's bf16 weight that took their place (kernels/cpu_linear.py)."""
     fused = module.fused_projection
     if isinstance(fused, FusedLinear):
-        return list(fused.weight.split(fused.sizes))
-    return [module.get_submodule(name) for name in module.input_projections]
+        sides = side_paths(fused)
+        return [(w, sides.get(i)) for i, w in enumerate(fused.weight.split(fused.sizes))]
+    return [with_side_path(module.get_submodule(name)) for name in module.input_projections]
+
+
+def with_side_path(module: nn.Module) -> tuple[nn.Module, LowRank | None]:
+    return module, side_paths(module).get(None)
 
 
 def bf16_arrays(x: torch.Tensor, out_width: int | None = None) -> tuple[np.ndarray, torch.Tensor]:
@@ -102,14 +111,15 @@ def bf16_tensor(bits: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return bits.view(torch.bfloat16).view(shape)
 
 
-def dense_kernel(matrix: nn.Module | torch.Tensor, kernels: ModuleType) -> DenseKernel | None:
-    """A DenseKernel of a bf16 weight or bias-free CpuLinear, or of a QuantizedLinear in a kernel format; None
-    where the kernels cannot read it."""
+def dense_kernel(matrix: nn.Module | torch.Tensor, kernels: ModuleType, side: LowRank | None = None
+                 ) -> DenseKernel | None:
+    """A DenseKernel of a bf16 weight or bias-free CpuLinear, or of a QuantizedLinear in a kernel format (with the
+    LoRA side path `side`); None where the kernels cannot read it."""
     if isinstance(matrix, QuantizedLinear):
         ok = matrix.fmt in KERNEL_FORMATS and plain_cpu(*matrix.buffers())
-        return DenseKernel(matrix.fmt, matrix.matrix, kernels) if ok else None
+        return DenseKernel(matrix.fmt, matrix.matrix, kernels, side) if ok else None
     if isinstance(matrix, CpuLinear) and matrix.bias is None:
         matrix = matrix.weight.data
     ok = isinstance(matrix, torch.Tensor) and matrix.dtype == torch.bfloat16 and plain_cpu(matrix) \
-        and matrix.is_contiguous()
-    return DenseKernel(BF16, matrix[None], kernels) if ok else None
+        and matrix.is_contiguous() and (side is None or plain_cpu(side.a, side.b))
+    return DenseKernel(BF16, matrix[None], kernels, side) if ok else None

@@ -45,7 +45,8 @@ from ..formats.dense import QuantizedLinear
 from ..formats.kernel_stores import KERNEL_FORMATS, compiled_kernels, kernels_enabled, plain_cpu
 from ..formats.table import BF16, INT4, INT8
 from ..kernels.cpu_linear import CpuLinear, FusedLinear
-from .layer_steps import AttentionLayerKernel, DeltaNetKernel, DeltaNetLayerKernel, MoeStepKernel
+from .layer_steps import (AttentionLayerKernel, DeltaNetKernel, DeltaNetLayerKernel, LayerStepKernel,
+                          MoeStepKernel)
 from .row_kernels import DenseKernel, NormKernel
 
 BF16_KERNEL_MIN_ROWS = 1024
@@ -131,5 +132,24 @@ def attach_step_kernels(text: nn.Module) -> None:
     verdicts: dict = {}
     for module in text.modules():  # a Qwen3.5 decoder layer, once its parts have their kernels
         if hasattr(module, "step_kernel") and hasattr(module, "mlp") and bf16:
-            kind = DeltaNetLayerKernel if hasattr(module, "linear_attn") else AttentionLayerKernel
-            module.step_kernel = kind.of(module, kernels, verdicts)
+            module.step_kernel = layer_step_kernel(module, kernels, verdicts)
+
+
+def layer_step_kernel(layer: nn.Module, kernels: ModuleType, verdicts: dict) -> LayerStepKernel | None:
+    """A Qwen3.5 MoE decoder layer's whole-step kernel from its parts' kernels as they are, or None."""
+    kind = DeltaNetLayerKernel if hasattr(layer, "linear_attn") else AttentionLayerKernel
+    return kind.of(layer, kernels, verdicts)
+
+
+def refit_step_kernels(layer: nn.Module, verdicts: dict) -> None:
+    """Builds again the MoE-block and whole-layer step kernels a Qwen3.5 decoder layer has, from its parts as they
+    are now (their LoRA side paths included: runtime/adapters.py), or sets them to None where they no longer fit."""
+    moe = getattr(layer.mlp, "step_kernel", None)
+    if moe is None and layer.step_kernel is None:
+        return
+    kernels = checked_step_kernels()
+    if moe is not None:
+        layer.mlp.step_kernel = MoeStepKernel.of(layer.mlp, kernels)
+    if layer.step_kernel is not None:
+        layer.step_kernel = None  # the new kernel is checked against the layer's own path
+        layer.step_kernel = layer_step_kernel(layer, kernels, verdicts)

@@ -150,8 +150,35 @@ def gated_delta_step(qkv, z, beta_in, a_in, rule, history, state, out):
 
 @njit(cache=True)
 def product(matrix, x):
-    """bf16_product of rows x with a Matrix."""
-    return bf16_product(matrix.code, matrix.q, matrix.scale, x)
+    """bf16_product of rows x with a Matrix, plus its LoRA side path if it has one."""
+    out = bf16_product(matrix.code, matrix.q, matrix.scale, x)
+    if matrix.side_a.shape[0]:
+        add_side_path(matrix.side_a, matrix.side_b, x, out)
+    return out
+
+
+@njit(cache=True, fastmath=FAST)
+def add_side_path(a, b, x, out):
+    """out += (x a^T) b^T for rows x [T, in] and out [T, out] (fp32 holding bf16 values), each product and the sum
+    rounded to bf16 as torch's bf16 path rounds them (formats/lora.py)."""
+    low = np.zeros((x.shape[0], a.shape[0]), np.float32)
+    for t in range(x.shape[0]):
+        for r in range(a.shape[0]):
+            total = np.float32(0.0)
+            for j in range(x.shape[1]):
+                total += x[t, j] * a[r, j]
+            low[t, r] = total
+    round_bf16(low.reshape(-1))
+    side = np.zeros(out.shape, np.float32)
+    for t in range(x.shape[0]):
+        for o in range(b.shape[0]):
+            total = np.float32(0.0)
+            for r in range(b.shape[1]):
+                total += low[t, r] * b[o, r]
+            side[t, o] = total
+    round_bf16(side.reshape(-1))
+    out += side
+    round_bf16(out.reshape(-1))
 
 
 @njit(cache=True)
