@@ -57,11 +57,8 @@ Every adapter's references are checked against a fresh base + `PeftModel.from_pr
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass, field
 from importlib.metadata import version
 from pathlib import Path
@@ -142,19 +139,7 @@ def build_lora_fixtures() -> LoraFixtures:
     """Build the adapters and references unless they are cached; safe to call from several processes."""
     fixtures, vl_fixtures = tm.build_fixtures(), tv.build_qwen3_vl_fixtures()  # outside our lock: they take their own
     root = Path(os.environ.get("A3B_TEST_CACHE", "/tmp/a3b-test-cache")) / f"lora-{cache_key()}"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{root.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not root.exists():
-            staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                _build_all(staging, fixtures, vl_fixtures)
-                staging.rename(root)
-            finally:
-                torch.set_num_threads(threads)
-                shutil.rmtree(staging, ignore_errors=True)
+    tm.build_once(root, lambda staging: _build_all(staging, fixtures, vl_fixtures))
     return _fixtures_at(root)
 
 

@@ -65,6 +65,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -153,20 +154,26 @@ def build_fixtures(root: Path | None = None) -> Fixtures:
     """Build the fixtures into `root` unless they are already there; safe to call from several processes."""
     root = Path(root) if root is not None else \
         Path(os.environ.get("A3B_TEST_CACHE", "/tmp/a3b-test-cache")) / cache_key()
+    build_once(root, _build_all)
+    return _fixtures_at(root)
+
+
+def build_once(root: Path, build: Callable[[Path], None]) -> None:
+    """Runs build(folder) into a staging folder renamed to `root`, unless `root` exists; one builder at a time (a
+    file lock beside it), the others wait and reuse its result; a crashed build leaves nothing at `root`."""
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # one builder at a time; the others wait and reuse its result
+        fcntl.flock(lock, fcntl.LOCK_EX)
         if not root.exists():
             staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # these matrices are tiny: extra threads only add spin-wait (conv1d 300x slower)
             try:
-                _build_all(staging)
+                build(staging)
                 staging.rename(root)
             finally:
                 torch.set_num_threads(threads)
                 shutil.rmtree(staging, ignore_errors=True)
-    return _fixtures_at(root)
 
 
 def _fixtures_at(root: Path) -> Fixtures:

@@ -33,13 +33,10 @@ gen_text and gen_image (32 greedy tokens), with .router_topk_L{i} for the MoE mo
 from __future__ import annotations
 
 import copy
-import fcntl
 import hashlib
 import json
 import os
 import re
-import shutil
-import tempfile
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
@@ -94,19 +91,7 @@ def cache_key() -> str:
 
 def build_qwen3_vl_fixtures() -> VlFixtures:
     root = Path(os.environ.get("A3B_TEST_CACHE", "/tmp/a3b-test-cache")) / f"qwen3_vl-{cache_key()}"
-    root.parent.mkdir(parents=True, exist_ok=True)
-    with open(root.parent / f".{root.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not root.exists():
-            staging = Path(tempfile.mkdtemp(prefix=f".{root.name}.", dir=root.parent))
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                _build_all(staging)
-                staging.rename(root)
-            finally:
-                torch.set_num_threads(threads)
-                shutil.rmtree(staging, ignore_errors=True)
+    tm.build_once(root, _build_all)
     return _fixtures_at(root)
 
 
