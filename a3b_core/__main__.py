@@ -1,5 +1,6 @@
 """Command line: `python -m a3b_core caption IMAGE...`, `caption-folder DIR`, `plan MODEL --preset 8gb [--json]`,
-`inspect MODEL`, `serve MODEL [--preset P] [--device D] [--host H] [--port P] [--api-key-env VAR]`."""
+`inspect MODEL`, `serve MODEL [--preset P] [--device D] [--host H] [--port P] [--api-key-env VAR]`; `caption`,
+`caption-folder` and `serve` take `--lora PATH[:STRENGTH]`, repeatable."""
 from __future__ import annotations
 
 import argparse
@@ -11,10 +12,11 @@ from pathlib import Path
 
 from .errors import A3BError, ImageError
 from .models import family_for, load_config
+from .release.adapters import adapter_files
 from .release.safetensors import Checkpoint
 from .runtime.loader import DEMO_MODEL_NAME, DEMO_MODELS, load_model, resolve_model_path
 from .runtime.options import (DENSE_FORMATS, DEVICE_CHOICES, KV_FORMATS, PRESET_NAMES, RESIZE_MODES, WEIGHT_FORMATS,
-                              GenerationOptions, LoadOptions)
+                              GenerationOptions, LoadOptions, parse_lora)
 from .runtime.placement import GiB, format_bytes, plan_for_folder
 from .services.caption_folder import (DEFAULT_CAPTION_PROMPT, EXISTING_POLICIES, PRESETS, FolderJob, Shaping, check_job,
                                       phrases, run_to_end, summary)
@@ -22,6 +24,9 @@ from .services.caption_folder import (DEFAULT_CAPTION_PROMPT, EXISTING_POLICIES,
 CAPTION_MAX_NEW_TOKENS = 128  # `caption`: a caption is a sentence or two
 THINKING_MAX_NEW_TOKENS = 2048  # ... and the reasoning before it, when the prompt thinks
 MODEL_HELP = f"model folder (config.json + .safetensors), or an embedded demo model: {', '.join(DEMO_MODELS)}"
+LORA_HELP = ("a LoRA adapter on the model: a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) or "
+             "its .safetensors file, with an optional strength after the last ':' (default 1.0; 0 = off, negative "
+             "inverts); repeat it for several adapters. The base weights are not changed")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -42,9 +47,17 @@ def check_image_files(paths: Sequence[str]) -> None:
                              "Check the path.")
 
 
+def loras(texts: Sequence[str]) -> tuple[tuple[str, float], ...]:
+    """The --lora choices as (path, strength), each adapter's files found before any model is loaded."""
+    chosen = tuple(parse_lora(text) for text in texts)
+    for path, _ in chosen:
+        adapter_files(path)
+    return chosen
+
+
 def cmd_caption(args: argparse.Namespace) -> int:
     check_image_files(args.images)
-    model = load_model(args.model, preset=args.preset)
+    model = load_model(args.model, preset=args.preset, loras=loras(args.lora))
     prompt = args.prompt if args.prompt is not None else model.config.caption_prompt or DEFAULT_CAPTION_PROMPT
     for path in args.images:
         chat = model.build_prompt(user=prompt, images=model.encode_images(path, size=args.size, resize=args.resize),
@@ -67,7 +80,7 @@ def cmd_caption_folder(args: argparse.Namespace) -> int:
                     generation=GenerationOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                                  presence_penalty=0.0, seed=args.seed))
     check_job(job)  # a wrong option costs no model load
-    model = load_model(args.model, preset=args.vram_preset)
+    model = load_model(args.model, preset=args.vram_preset, loras=loras(args.lora))
 
     def report(step) -> None:
         for outcome in step.outcomes:
@@ -107,7 +120,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from .services.openai_server import run
 
     options = LoadOptions(preset=args.preset, weight_format=args.weight_format, dense_format=args.dense_format,
-                          kv_cache=args.kv_cache, max_context=args.max_context, device=args.device)
+                          kv_cache=args.kv_cache, max_context=args.max_context, device=args.device,
+                          loras=loras(args.lora))
     run(args.model, options, args.host, args.port, args.api_key_env, args.max_batch_size, args.allow_origin)
     return 0
 
@@ -123,6 +137,11 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
                              "quantized (~0.5x / ~0.28x of bf16, at some accuracy cost)")
     parser.add_argument("--kv-cache", default="auto", choices=KV_FORMATS)
     parser.add_argument("--max-context", type=int, default=None, help="tokens (default: the preset's)")
+
+
+def add_lora_argument(parser: argparse.ArgumentParser) -> None:
+    """--lora, as `caption`, `caption-folder` and `serve` take it."""
+    parser.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]", help=LORA_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
                               f"{THINKING_MAX_NEW_TOKENS} with thinking, which the reasoning shares)")
     caption.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default, reproducible)")
     caption.add_argument("--seed", type=int, default=0)
+    add_lora_argument(caption)
     caption.set_defaults(run=cmd_caption)
 
     folder = commands.add_parser("caption-folder", help="write a caption .txt for every image in a folder (a LoRA "
@@ -183,6 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     folder.add_argument("--max-new-tokens", type=int, default=160)
     folder.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default, reproducible)")
     folder.add_argument("--seed", type=int, default=0)
+    add_lora_argument(folder)
     folder.set_defaults(run=cmd_caption_folder)
 
     plan = commands.add_parser("plan", help="show where each part of a model would live (reads headers only)")
@@ -214,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
                        help="a web page origin (e.g. http://localhost:3000) whose pages may send requests and read "
                             "the answers; repeat it for several (default: none, web pages are refused)")
+    add_lora_argument(serve)
     serve.set_defaults(run=cmd_serve)
     return parser
 

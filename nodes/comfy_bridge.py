@@ -30,6 +30,7 @@ else:
 __all__ = ["IN_COMFYUI", "ComfyExtension", "io", "ui"]
 
 LLM_FOLDER = "LLM"
+LORA_FOLDER = "loras"  # ComfyUI's own LoRA folders (models/loras and the users' extra_model_paths entries)
 log = logging.getLogger("a3b")
 
 
@@ -41,6 +42,11 @@ def register_llm_folder() -> None:
 
 def llm_roots() -> list[str]:
     return folder_paths.get_folder_paths(LLM_FOLDER) if IN_COMFYUI else []
+
+
+def lora_roots() -> list[str]:
+    """Where the LoRA node looks for adapters: ComfyUI's loras folders, then the LLM folders."""
+    return folder_paths.get_folder_paths(LORA_FOLDER) + llm_roots() if IN_COMFYUI else []
 
 
 def output_directory() -> str:

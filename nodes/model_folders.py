@@ -1,27 +1,48 @@
-"""Which model folders the loader offers, and turning a chosen name back into a path that stays inside them."""
+"""Which model folders the loader and which LoRA adapters the LoRA node offer, and turning a chosen name back into a
+path that stays inside their folders."""
 from __future__ import annotations
 
 from pathlib import Path
 
-from a3b_core.errors import ConfigError
+from a3b_core.errors import AdapterError, ConfigError
+from a3b_core.release.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from a3b_core.runtime.loader import DEMO_MODELS
 
 DEMO_MODEL = "a3b-demo"  # the loader's default; the embedded demo models' names, which load_model resolves itself
-_MAX_DEPTH = 2  # models/LLM/<name> or models/LLM/<org>/<name>
+_MAX_DEPTH = 2  # models/LLM/<name> or models/LLM/<org>/<name> (models/loras/... alike)
+
+
+def subfolders(base: Path) -> list[Path]:
+    """The folders below `base`, down to _MAX_DEPTH levels (none when `base` is not a folder)."""
+    found: list[Path] = []
+    frontier = [base] if base.is_dir() else []
+    for _ in range(_MAX_DEPTH):
+        frontier = [child for folder in frontier for child in sorted(folder.iterdir()) if child.is_dir()]
+        found += frontier
+    return found
 
 
 def list_model_folders(roots: list[str]) -> list[str]:
     """Names (relative to their root, '/'-separated) of the folders under `roots` that hold a config.json."""
+    return sorted({folder.relative_to(Path(root)).as_posix() for root in roots for folder in subfolders(Path(root))
+                   if (folder / "config.json").is_file()})
+
+
+def list_lora_adapters(roots: list[str]) -> list[str]:
+    """Names (relative to their root, '/'-separated) of the LoRA adapters in `roots` and their subfolders: a folder
+    holding adapter_config.json and adapter_model.safetensors, and each .safetensors file with an adapter_config.json
+    beside it (adapter_model.safetensors in such a folder is the folder itself)."""
     names: set[str] = set()
     for root in roots:
         base = Path(root)
-        if not base.is_dir():
-            continue
-        frontier = [base]
-        for _ in range(_MAX_DEPTH):
-            children = [child for folder in frontier for child in sorted(folder.iterdir()) if child.is_dir()]
-            names.update(child.relative_to(base).as_posix() for child in children if (child / "config.json").is_file())
-            frontier = children
+        for folder in [base, *subfolders(base)]:
+            if not (folder / ADAPTER_CONFIG).is_file():
+                continue
+            whole = folder != base and (folder / ADAPTER_WEIGHTS).is_file()
+            if whole:
+                names.add(folder.relative_to(base).as_posix())
+            names.update(file.relative_to(base).as_posix() for file in folder.glob("*.safetensors")
+                         if file.is_file() and not (whole and file.name == ADAPTER_WEIGHTS))
     return sorted(names)
 
 
@@ -46,3 +67,15 @@ def resolve_model(name: str, roots: list[str]) -> str:
     raise ConfigError(f"model folder {name!r} was not found (or has no config.json) in: {searched}. Put the model "
                       "folder (config.json, tokenizer.json and the *.safetensors files) into models/LLM/ and press "
                       "'Refresh' in ComfyUI, or pick another model.")
+
+
+def resolve_lora(name: str, roots: list[str]) -> str:
+    """The path of a LoRA node choice: only an adapter list_lora_adapters finds in one of `roots`, so never a path
+    outside them."""
+    for root in roots:
+        if name in list_lora_adapters([root]):
+            return str(Path(root) / name)
+    searched = ", ".join(roots) or "(no loras or LLM folder is registered)"
+    raise AdapterError(f"LoRA adapter {name!r} was not found in: {searched}. Put the adapter (a folder with "
+                       f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}, or such a .safetensors file with its {ADAPTER_CONFIG} "
+                       "beside it) into models/loras/ and press 'Refresh' in ComfyUI, or pick another adapter.")

@@ -1,4 +1,5 @@
-"""What travels on an A3B_MODEL wire: the engine model, how to load it again, and its entry in ComfyUI's manager."""
+"""What travels on an A3B_MODEL wire: the engine model, how to load it again, its entry in ComfyUI's manager, and
+the LoRA adapters to run it with."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -12,6 +13,7 @@ from a3b_core.runtime.placement import PRESETS, GiB
 
 from . import comfy_bridge as bridge
 
+Loras = tuple[tuple[str, float], ...]  # (adapter folder or .safetensors file, strength), as set_loras takes them
 _UNLOAD_EVERYTHING = 1e30  # "auto" plans against all the memory the device has, so other models make room first
 
 
@@ -31,6 +33,8 @@ class A3BModelHandle:
     `acquire` then loads it again with the same settings, so a cached Loader output never dangles.
     """
 
+    loras: Loras = ()  # a Loader's wire runs the base model
+
     def __init__(self, path: str, options: LoadOptions, keep_loaded: bool, loader_node: str | None = None):
         """`options.device` "auto" means ComfyUI's own device."""
         self.path = path
@@ -47,11 +51,17 @@ class A3BModelHandle:
         return self._model is not None
 
     def acquire(self, progress: Callable[[int, int], None] | None = None) -> Any:
-        """The engine model, loaded if needed, marked as in use in ComfyUI's model manager."""
+        """The engine model, loaded if needed, marked as in use in ComfyUI's model manager, with this wire's LoRA
+        adapters on it (none: the base model exactly)."""
+        return self.acquire_with(self.loras, progress)
+
+    def acquire_with(self, loras: Loras, progress: Callable[[int, int], None] | None = None) -> Any:
+        """As `acquire`, with exactly `loras` on the model (the adapters of every wire are set as it is used)."""
         if self._model is None:
             self._load(progress)
         if self._residency is not None:
             bridge.keep_resident(self._residency)
+        self._model.set_loras(loras)
         # Shown on the Loader even when ComfyUI served the Loader from its cache (cached nodes send no output).
         bridge.send_event("a3b.plan", {"node": self.loader_node, "summary": self.plan_summary,
                                        "table": self.plan_table})
@@ -86,3 +96,27 @@ class A3BModelHandle:
         """Called after each generation: frees the memory unless the user asked to keep the model loaded."""
         if not self.keep_loaded:
             self.release()
+
+    def with_lora(self, path: str, strength: float) -> AdaptedHandle:
+        """A wire running this handle's loaded model with one more adapter (the A3B LoRA node's output)."""
+        return AdaptedHandle(self, self.loras + ((path, strength),))
+
+
+class AdaptedHandle:
+    """What the A3B LoRA node puts on the wire: the base handle's model with LoRA adapters on it. Loading, release
+    and the entry in ComfyUI's model manager stay the base handle's, so every LoRA wire of one Loader shares its one
+    loaded model."""
+
+    def __init__(self, base: A3BModelHandle, loras: Loras):
+        self.base = base
+        self.loras = loras
+
+    def acquire(self, progress: Callable[[int, int], None] | None = None) -> Any:
+        return self.base.acquire_with(self.loras, progress)
+
+    def finished_run(self) -> None:
+        self.base.finished_run()
+
+    def with_lora(self, path: str, strength: float) -> AdaptedHandle:
+        """Another adapter after this wire's (the LoRA node chained)."""
+        return AdaptedHandle(self.base, self.loras + ((path, strength),))

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from a3b_core.errors import RemoteError
 from a3b_core.services.openai_client import RemoteModel
 
 
@@ -17,3 +18,8 @@ class RemoteModelHandle:
 
     def finished_run(self) -> None:
         pass
+
+    def with_lora(self, path: str, strength: float) -> RemoteModelHandle:
+        raise RemoteError("A3B LoRA puts adapters on a model this ComfyUI loads (A3B Model Loader), not on a remote "
+                          "server's model. Start the server with the adapter (python -m a3b_core serve MODEL --lora "
+                          "PATH[:STRENGTH]) or connect the LoRA node to an A3B Model Loader.")

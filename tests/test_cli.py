@@ -1,5 +1,5 @@
 """The command line (`python -m a3b_core`), through a3b_core.__main__.main: one way to name a model in every command,
-the model folder's own caption prompt, and every image path checked before any work."""
+the model folder's own caption prompt, every image path checked before any work, and --lora."""
 from __future__ import annotations
 
 import json
@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from a3b_core.__main__ import DEFAULT_CAPTION_PROMPT, main
+from a3b_core.__main__ import DEFAULT_CAPTION_PROMPT, build_parser, main
 from a3b_core.runtime.loader import load_model
+from a3b_core.runtime.options import parse_lora
 from bench.demo_model import dataset
 from bench.demo_model.train import DEMO_DIR, DEMO_FP8_DIR, TEST_SEED, write_test_images
+from tests.lora_adapters import write_demo_adapter
 from tests.test_bad_inputs import FIX
 
 REPO = Path(__file__).parent.parent
@@ -105,3 +107,64 @@ def test_caption_checks_every_image_path_before_any_work(capsys, tmp_path, scene
     code, out, err = run(capsys, "caption", str(scenes[0]), str(tmp_path / bad))
     assert (code, out) == (2, [])
     assert str(tmp_path / bad) in err and "nothing was captioned" in err and FIX.search(err)
+
+
+# --- --lora ------------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("text, parsed", [
+    ("loras/style", ("loras/style", 1.0)),
+    ("loras/style:0.5", ("loras/style", 0.5)),
+    ("style:-1", ("style", -1.0)),
+    ("style:0", ("style", 0.0)),
+    ("C:\\loras\\style", ("C:\\loras\\style", 1.0)),
+    ("C:\\loras\\style:0.75", ("C:\\loras\\style", 0.75)),
+    ("a:b/style:2", ("a:b/style", 2.0)),
+])
+def test_a_lora_is_a_path_with_an_optional_strength_after_the_last_colon(text, parsed):
+    assert parse_lora(text) == parsed
+
+
+@pytest.mark.parametrize("command", ["caption", "caption-folder", "serve"])
+def test_lora_is_repeatable_on_every_command_that_loads_a_model(command):
+    first = ["x.png"] if command == "caption" else ["images" if command == "caption-folder" else "a3b-demo"]
+    args = build_parser().parse_args([command, *first, "--lora", "a:0.5", "--lora", "C:\\b"])
+    assert args.lora == ["a:0.5", "C:\\b"]
+
+
+@pytest.fixture(scope="module")
+def adapter(tmp_path_factory) -> Path:
+    return write_demo_adapter(tmp_path_factory.mktemp("lora") / "style")
+
+
+def test_a_lora_changes_the_captions_and_at_strength_0_leaves_them_exactly(capsys, scenes, adapter):
+    images = list(map(str, scenes[:2]))
+    base = run(capsys, "caption", *images)
+    adapted = run(capsys, "caption", *images, "--lora", str(adapter))
+    assert base[0] == adapted[0] == 0, adapted[2]
+    assert adapted[1] != base[1] and len(adapted[1]) == len(base[1])
+    assert run(capsys, "caption", *images, "--lora", f"{adapter}:0") == base
+    weights = str(adapter / "adapter_model.safetensors")  # the weights file given by itself is the same adapter
+    assert run(capsys, "caption", *images, "--lora", f"{weights}:1.0") == adapted
+
+
+@pytest.mark.parametrize("suffix, message", [(":nan", "is not a finite number"), (":inf", "is not a finite number"),
+                                             (":strong", "LoRA adapter not found"), (":", "LoRA adapter not found")])
+def test_a_bad_lora_strength_is_an_error_before_any_model_load(capsys, monkeypatch, scenes, adapter, suffix, message):
+    monkeypatch.setattr("a3b_core.__main__.load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    code, out, err = run(capsys, "caption", str(scenes[0]), "--lora", f"{adapter}{suffix}")
+    assert (code, out) == (2, [])
+    assert f"{adapter}{suffix}" in err and message in err and FIX.search(err), err
+
+
+def test_a_lora_without_a_path_is_an_error(capsys, scenes):
+    code, _, err = run(capsys, "caption", str(scenes[0]), "--lora", ":0.5")
+    assert code == 2 and "':0.5' names no adapter" in err and FIX.search(err), err
+
+
+def test_serve_loads_the_model_with_its_loras(monkeypatch, adapter):
+    served = {}
+    monkeypatch.setattr("a3b_core.services.openai_server.run", lambda model, options, *rest: served.update(
+        model=model, options=options))
+    assert main(["serve", "a3b-demo", "--lora", f"{adapter}:0.5", "--lora", str(adapter)]) == 0
+    assert served["options"].loras == ((str(adapter), 0.5), (str(adapter), 1.0))
+    assert served["options"].as_kwargs()["loras"] == served["options"].loras  # as load_model takes them

@@ -1,6 +1,6 @@
-"""The node pack's logic that needs no ComfyUI: model folder listing and confinement, prompt ingredients, live
-text, Generate's engine call and speed line, Image Encode's batch, and the bridge's behaviour outside ComfyUI
-(caption files: test_captions.py)."""
+"""The node pack's logic that needs no ComfyUI: model folder and LoRA adapter listing and confinement, LoRA wires,
+prompt ingredients, live text, Generate's engine call and speed line, Image Encode's batch, and the bridge's behaviour
+outside ComfyUI (caption files: test_captions.py)."""
 from __future__ import annotations
 
 import shutil
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from a3b_core import EncodedImages, load_model
-from a3b_core.errors import ConfigError, ImageError, PromptError
+from a3b_core.errors import AdapterError, ConfigError, ImageError, PromptError, RemoteError
 from a3b_core.prompting.conversation import Turn
 from a3b_core.runtime.generation import BUDGET_CLOSE
 from a3b_core.runtime.options import PRESET_NAMES, LoadOptions
@@ -20,9 +20,12 @@ from nodes import comfy_bridge
 from nodes.generation import generate_answers, speed_line
 from nodes.image_batch import encode_image_batch
 from nodes.live_text import LiveText
-from nodes.model_folders import DEMO_MODEL, list_model_folders, loader_choices, resolve_model
+from nodes.model_folders import (DEMO_MODEL, list_lora_adapters, list_model_folders, loader_choices, resolve_lora,
+                                 resolve_model)
 from nodes.model_handle import A3BModelHandle, preset_budget_bytes
 from nodes.prompt_spec import PromptSpec, build_prompts
+from nodes.remote_handle import RemoteModelHandle
+from tests.lora_adapters import write_demo_adapter
 from tests.test_bad_inputs import FIX
 
 
@@ -74,6 +77,72 @@ def test_resolve_model_refuses_names_that_leave_the_llm_folders(tmp_path: Path, 
 def test_resolve_model_names_the_searched_folders_when_missing(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=f"was not found .* in: {tmp_path}"):
         resolve_model("Qwen3.5-35B-A3B", [str(tmp_path)])
+
+
+# --- LoRA adapters -----------------------------------------------------------------------------------------------
+
+def _adapter(folder: Path, weights: str = "adapter_model.safetensors") -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "adapter_config.json").write_text("{}")
+    (folder / weights).write_bytes(b"")
+    return folder
+
+
+def test_lora_adapters_are_listed_as_folders_and_as_files_beside_their_config(tmp_path: Path) -> None:
+    loras, llm = tmp_path / "loras", tmp_path / "LLM"
+    _adapter(loras / "pixel-style")
+    _adapter(loras / "Qwen" / "anime")
+    _adapter(loras / "kohya", weights="epoch-10.safetensors")  # no adapter_model.safetensors: only the file
+    _adapter(loras / "trained", weights="checkpoint-500.safetensors")
+    (loras / "trained" / "adapter_model.safetensors").write_bytes(b"")
+    (loras / "sdxl-style.safetensors").write_bytes(b"")  # an image model's LoRA: no adapter_config.json
+    _model(llm / "Qwen3.5-35B-A3B")
+    _adapter(llm / "Qwen3.5-35B-A3B-captioner")
+    assert list_lora_adapters([str(loras), str(llm), str(tmp_path / "missing")]) == [
+        "Qwen/anime", "Qwen3.5-35B-A3B-captioner", "kohya/epoch-10.safetensors", "pixel-style", "trained",
+        "trained/checkpoint-500.safetensors"]
+
+
+def test_resolve_lora_searches_every_root(tmp_path: Path) -> None:
+    first, second = tmp_path / "loras", tmp_path / "LLM"
+    first.mkdir()
+    _adapter(second / "Qwen" / "style")
+    _adapter(second / "kohya", weights="style.safetensors")
+    roots = [str(first), str(second)]
+    assert resolve_lora("Qwen/style", roots) == str(second / "Qwen" / "style")
+    assert resolve_lora("kohya/style.safetensors", roots) == str(second / "kohya" / "style.safetensors")
+
+
+@pytest.mark.parametrize("name", ["../outside", "../outside/adapter_model.safetensors", "/etc", "a/../../b", "",
+                                  "Qwen", "model"])
+def test_resolve_lora_finds_only_the_listed_adapters(tmp_path: Path, name: str) -> None:
+    _adapter(tmp_path / "outside")
+    root = tmp_path / "loras"
+    _adapter(root / "Qwen" / "style")
+    _model(root / "model")
+    with pytest.raises(AdapterError, match=f"LoRA adapter {name!r} was not found in: {root}"):
+        resolve_lora(name, [str(root)])
+
+
+def test_lora_wires_share_the_loaders_model_and_each_runs_its_own_adapters(tmp_path: Path, one_thread) -> None:
+    first, second = write_demo_adapter(tmp_path / "first", seed=1), write_demo_adapter(tmp_path / "second", seed=2)
+    base = A3BModelHandle(DEMO_MODEL, LoadOptions(preset="cpu"), keep_loaded=False)
+    one = base.with_lora(str(first), 0.5)
+    both = one.with_lora(str(second), -1.0)
+    weights = [first / "adapter_model.safetensors", second / "adapter_model.safetensors"]
+    model = both.acquire()
+    assert model.loras == [(weights[0], 0.5), (weights[1], -1.0)]
+    assert one.acquire() is model and model.loras == [(weights[0], 0.5)]
+    assert base.acquire() is model and model.loras == []  # the Loader's own wire: the base model
+    one.finished_run()  # keep_loaded off: the shared model is freed, and loaded again by the next use of any wire
+    assert not base.loaded
+    assert both.acquire() is not model and base.loaded and base.acquire().loras == []
+    base.release()
+
+
+def test_a_remote_model_takes_no_lora() -> None:
+    with pytest.raises(RemoteError, match="not on a remote server's model"):
+        RemoteModelHandle(remote=None).with_lora("style", 1.0)
 
 
 # --- image batches -----------------------------------------------------------------------------------------------
@@ -245,7 +314,7 @@ def test_speed_line_of_a_real_run_reads_the_engines_stats(demo_model) -> None:
 
 def test_the_bridge_degrades_to_no_ops_outside_comfyui() -> None:
     assert comfy_bridge.IN_COMFYUI is False
-    assert comfy_bridge.llm_roots() == []
+    assert comfy_bridge.llm_roots() == [] and comfy_bridge.lora_roots() == []
     assert comfy_bridge.processing_interrupted() is False
     comfy_bridge.raise_if_interrupted()
     comfy_bridge.send_text("1", "text")

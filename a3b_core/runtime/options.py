@@ -2,16 +2,19 @@
 are here, and the dataclasses that carry a set of choices."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
 
+from ..errors import AdapterError
 from ..formats.table import DENSE_FORMATS, KV_FORMATS, WEIGHT_FORMATS
 from ..media.image import RESIZE_MODES
 from ..prompting.folder_template import BUILT_IN_TEMPLATE, CHAT_TEMPLATES
 
 __all__ = ["BUILT_IN_TEMPLATE", "CHAT_TEMPLATES", "COMPUTE_DTYPES", "DENSE_FORMATS", "DEVICE_CHOICES", "KV_FORMATS",
-           "PRESET_NAMES", "RESIZE_MODES", "SAMPLER_FIELDS", "WEIGHT_FORMATS", "GenerationOptions", "LoadOptions"]
+           "PRESET_NAMES", "RESIZE_MODES", "SAMPLER_FIELDS", "WEIGHT_FORMATS", "GenerationOptions", "LoadOptions",
+           "parse_lora"]
 
 PRESET_NAMES = ("auto", "8gb", "12gb", "16gb", "24gb", "48gb", "cpu")  # VRAM budgets; placement.PRESETS sizes them
 DEVICE_CHOICES = ("auto", "cpu", "cuda", "cuda:N")
@@ -30,9 +33,26 @@ class LoadOptions:
     max_context: int | None = None
     device: str = "auto"
     chat_template: str = "auto"
+    loras: tuple[tuple[str, float], ...] = ()  # (LoRA adapter folder or .safetensors file, strength)
 
     def as_kwargs(self) -> dict:
         return asdict(self)
+
+
+def parse_lora(text: str) -> tuple[str, float]:
+    """(path, strength) of a `PATH[:STRENGTH]` LoRA choice, strength 1.0 when none is given. The text is split at its
+    last ':' only when what follows is a number, so a Windows path (C:\\loras\\x) stays whole."""
+    head, colon, tail = text.rpartition(":")
+    try:
+        path, strength = (head, float(tail)) if colon else (text, 1.0)
+    except ValueError:  # what follows the last ':' is part of the path
+        path, strength = text, 1.0
+    if not path.strip():
+        raise AdapterError(f"--lora {text!r} names no adapter; give PATH or PATH:STRENGTH (e.g. my_lora:0.8).")
+    if not math.isfinite(strength):
+        raise AdapterError(f"--lora {text!r}: the strength {tail!r} is not a finite number; give PATH:STRENGTH with "
+                           "a number such as 0.8 (0 = off, negative inverts the adapter).")
+    return path, strength
 
 
 @dataclass(frozen=True)

@@ -522,7 +522,8 @@ def run(model_path: str, options: LoadOptions, host: str, port: int, api_key_env
     api_key = api_key_from_env(api_key_env, host)
     origins = checked_origins(list(allow_origins))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    log.info("loading %s (preset %s, device %s)", model_path, options.preset, options.device)
+    log.info("loading %s (preset %s, device %s%s)", model_path, options.preset, options.device,
+             "".join(f", LoRA {path} at {strength:g}" for path, strength in options.loras))
     model = load_model(model_path, **options.as_kwargs())
     server = ChatServer(model, Path(model_path).name, api_key, max_batch_size, origins)
     asyncio.run(_serve(server, host, port))

@@ -1,4 +1,4 @@
-"""The pack as ComfyUI's /object_info describes it: eight nodes, their inputs, defaults and tooltips."""
+"""The pack as ComfyUI's /object_info describes it: nine nodes, their inputs, defaults and tooltips."""
 from __future__ import annotations
 
 import pytest
@@ -13,6 +13,7 @@ pytestmark = pytest.mark.comfyui
 EXPECTED = {
     "A3BModelLoader": ("A3B Model Loader", ["model", "vram_preset", "weight_format", "kv_cache", "max_context",
                                             "keep_loaded", "device", "chat_template", "dense_format"], ["A3B_MODEL"]),
+    "A3BLoRA": ("A3B LoRA", ["model", "lora", "strength"], ["A3B_MODEL"]),
     "A3BRemoteModel": ("A3B Remote Model", ["base_url", "model", "api_key_env", "timeout"], ["A3B_MODEL"]),
     "A3BImageEncode": ("A3B Image Encode", ["model", "image", "size", "resize", "srgb"], ["A3B_IMAGES"]),
     "A3BVideoEncode": ("A3B Video Encode", ["model", "frame_rate", "fps", "max_frames", "max_frame_tokens", "video",

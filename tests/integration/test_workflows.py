@@ -1,4 +1,4 @@
-"""The shipped API workflows, Stop, bad input and memory release, in a real ComfyUI."""
+"""The shipped API workflows, Stop, bad input, memory release and A3B LoRA, in a real ComfyUI."""
 from __future__ import annotations
 
 import copy
@@ -15,6 +15,7 @@ from tests.integration.storyboard_inputs import PANELS
 from tests.integration.video_inputs import CLIP_NAME
 from tests.integration.video_inputs import expected_caption as expected_clip_caption
 from tests.integration.view_inputs import expected_captions as expected_view_captions
+from tests.lora_adapters import write_demo_adapter
 
 pytestmark = pytest.mark.comfyui
 
@@ -234,3 +235,36 @@ def test_the_loaders_dense_format_reaches_the_engine(comfy: ComfyServer) -> None
     (loader,) = _nodes(graph, "A3BModelLoader")
     (summary,) = entry["outputs"][loader]["a3b_plan"]
     assert "dense int8 on cpu" in summary, summary
+
+
+def _with_lora(graph: dict, lora: str, strength: float) -> dict:
+    """`graph` with an A3B LoRA between its Loader and every node that takes the Loader's model."""
+    graph = copy.deepcopy(graph)
+    (loader,) = _nodes(graph, "A3BModelLoader")
+    for node in graph.values():
+        if node["inputs"].get("model") == [loader, 0]:
+            node["inputs"]["model"] = ["lora", 0]
+    graph["lora"] = {"class_type": "A3BLoRA", "inputs": {"model": [loader, 0], "lora": lora, "strength": strength}}
+    return graph
+
+
+def test_a_lora_changes_the_answers_and_at_strength_0_gives_the_base_models(comfy: ComfyServer) -> None:
+    write_demo_adapter(comfy.base / "models" / "loras" / "demo-style")  # listed from the next /object_info on
+    _, lora = comfy.get("/object_info/A3BLoRA")["A3BLoRA"]["input"]["required"]["lora"]
+    assert "demo-style" in lora["options"]
+    graph = _set_inputs(load_api_workflow("multi_angle_captioning", model="a3b-demo"), "A3BGenerate", temperature=0,
+                        max_new_tokens=24, seed=1)
+    graph = _set_inputs(graph, "A3BSaveCaptions", subfolder="a3b_captions/lora")
+    (generate,) = _nodes(graph, "A3BGenerate")
+
+    def answers(graph: dict) -> list[str]:
+        entry = comfy.run(graph)
+        _succeeded(comfy, entry)
+        return entry["outputs"][generate]["a3b_answer"]
+
+    base = answers(graph)
+    adapted = answers(_with_lora(graph, "demo-style", 1.0))
+    assert len(adapted) == len(base) and adapted != base
+    assert answers(_with_lora(graph, "demo-style", 0.0)) == base
+    # the Loader's own wire runs the base model again after a LoRA wire used the same loaded model
+    assert answers(_set_inputs(graph, "A3BGenerate", seed=2)) == base
