@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from a3b_core.runtime.loader import DEMO_MODELS
+
 PEFT_PREFIX = "base_model.model."
 
 
@@ -66,3 +68,18 @@ def qwen3_5_adapter(folder: Path, config: dict, r: int = 4, seed: int = 0, size:
             weights[f"model.visual.blocks.{block}.attn.qkv"] = factors(3 * vh, vh, r, seed + 100 + block, size)
         weights["model.visual.merger.linear_fc1"] = factors(merged, merged, r, seed + 200, size)
     return write_adapter(folder, weights, r, 2 * r)
+
+
+def write_demo_adapter(folder: Path, seed: int = 0, rank: int = 4, size: float = 6.0) -> Path:
+    """An adapter for the demo models (their config.json gives the sizes) on the full-attention layers' q_proj and the
+    DeltaNet layers' out_proj, large enough to change the demo's greedy answers."""
+    text = json.loads((DEMO_MODELS["a3b-demo"] / "config.json").read_text())["text_config"]
+    hidden, heads, head_dim = text["hidden_size"], text["num_attention_heads"], text["head_dim"]
+    values = text["linear_num_value_heads"] * text["linear_value_head_dim"]
+    weights = {}
+    for layer, kind in enumerate(text["layer_types"]):
+        # q_proj computes the queries and their output gate: 2 * heads * head_dim outputs
+        module, inputs, outputs = (("self_attn.q_proj", hidden, 2 * heads * head_dim) if kind == "full_attention"
+                                   else ("linear_attn.out_proj", values, hidden))
+        weights[f"model.language_model.layers.{layer}.{module}"] = factors(outputs, inputs, rank, seed + layer, size)
+    return write_adapter(folder, weights, rank, rank)

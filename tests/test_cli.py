@@ -13,7 +13,7 @@ from a3b_core.runtime.loader import load_model
 from a3b_core.runtime.options import parse_lora
 from bench.demo_model import dataset
 from bench.demo_model.train import DEMO_DIR, DEMO_FP8_DIR, TEST_SEED, write_test_images
-from tests.lora_adapters import write_demo_adapter
+from tests.synthetic_adapters import write_demo_adapter
 from tests.test_bad_inputs import FIX
 
 REPO = Path(__file__).parent.parent

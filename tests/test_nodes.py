@@ -25,7 +25,7 @@ from nodes.model_folders import (DEMO_MODEL, list_lora_adapters, list_model_fold
 from nodes.model_handle import A3BModelHandle, preset_budget_bytes
 from nodes.prompt_spec import PromptSpec, build_prompts
 from nodes.remote_handle import RemoteModelHandle
-from tests.lora_adapters import write_demo_adapter
+from tests.synthetic_adapters import write_demo_adapter
 from tests.test_bad_inputs import FIX
 
 

@@ -3,12 +3,13 @@ shape, then its side path (formats/lora.py) attached to the module that computes
 when the adapters change, so the base weights are never touched.
 
 Where a side path goes:
-- a Linear in any format (and a vision-tower Linear): a forward hook adds the side path to its output;
-- a projection fused with its neighbours into one product (kernels/cpu_linear.FusedLinear): a hook on the fused
-  product adds it to that part of the output;
+- a Linear in any format (and a vision-tower Linear): the module's side path, which a forward hook adds to its
+  output (formats/lora.attach_side_paths);
+- a projection fused with its neighbours into one product (kernels/cpu_linear.FusedLinear): a side path on that part
+  of the fused product's output;
 - a layer's routed experts (PEFT's target_parameters on gate_up_proj / down_proj): the store is wrapped
   (AdaptedExperts), so each chosen expert's products take their side paths;
-- the embedding table (PEFT's lora_embedding_A/B): a hook adds the looked-up rows of the side path;
+- the embedding table (PEFT's lora_embedding_A/B): a side path of the looked-up rows;
 - whole modules an adapter replaces (modules_to_save; the embedding weights PEFT saves beside a LoRA on them): a new
   module in the compute dtype takes the place of lm_head or embed_tokens.
 A Qwen3.5 layer's fused decoding steps on the CPU (a MoE block's or a decoder layer's whole step in one numba call,
@@ -34,8 +35,6 @@ from .step_kernels import refit_step_kernels
 
 LoraRequest = Sequence[tuple[str | os.PathLike, float]]  # (adapter folder or .safetensors file, strength)
 REPLACEABLE = ("lm_head", "embed_tokens")  # the modules an adapter may replace whole (modules_to_save)
-
-
 Pair = tuple[torch.Tensor, torch.Tensor]  # (a, b with the scale and strength in it)
 
 
@@ -43,7 +42,7 @@ Pair = tuple[torch.Tensor, torch.Tensor]  # (a, b with the scale and strength in
 class SidePaths:
     """What a set of adapters attaches, gathered over the adapters: factor pairs by the module that computes them
     (a fused product: by part index), by expert store and stack, for the embedding table; replacement modules by
-    name; and the names of the text model's adapted modules, whose enclosing step kernels step aside."""
+    name; and the names of the text model's adapted modules, whose layers' fused steps are built again."""
     linear: dict[nn.Module, list[Pair]] = field(default_factory=dict)
     fused: dict[nn.Module, dict[int, list[Pair]]] = field(default_factory=dict)
     experts: dict[tuple[str, nn.Module], dict[str, list[Pair]]] = field(default_factory=dict)

@@ -15,7 +15,7 @@ from tests.integration.storyboard_inputs import PANELS
 from tests.integration.video_inputs import CLIP_NAME
 from tests.integration.video_inputs import expected_caption as expected_clip_caption
 from tests.integration.view_inputs import expected_captions as expected_view_captions
-from tests.lora_adapters import write_demo_adapter
+from tests.synthetic_adapters import write_demo_adapter
 
 pytestmark = pytest.mark.comfyui
 

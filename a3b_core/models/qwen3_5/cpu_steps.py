@@ -161,24 +161,22 @@ def product(matrix, x):
 def add_side_path(a, b, x, out):
     """out += (x a^T) b^T for rows x [T, in] and out [T, out] (fp32 holding bf16 values), each product and the sum
     rounded to bf16 as torch's bf16 path rounds them (formats/lora.py)."""
-    low = np.zeros((x.shape[0], a.shape[0]), np.float32)
+    out += small_product(small_product(x, a), b)
+    round_bf16(out.reshape(-1))
+
+
+@njit(cache=True, fastmath=FAST)
+def small_product(x, m):
+    """x [T, k] times m^T (m [n, k], few rows or few columns) summed in fp32, rounded to bf16."""
+    out = np.empty((x.shape[0], m.shape[0]), np.float32)
     for t in range(x.shape[0]):
-        for r in range(a.shape[0]):
+        for r in range(m.shape[0]):
             total = np.float32(0.0)
             for j in range(x.shape[1]):
-                total += x[t, j] * a[r, j]
-            low[t, r] = total
-    round_bf16(low.reshape(-1))
-    side = np.zeros(out.shape, np.float32)
-    for t in range(x.shape[0]):
-        for o in range(b.shape[0]):
-            total = np.float32(0.0)
-            for r in range(b.shape[1]):
-                total += low[t, r] * b[o, r]
-            side[t, o] = total
-    round_bf16(side.reshape(-1))
-    out += side
+                total += x[t, j] * m[r, j]
+            out[t, r] = total
     round_bf16(out.reshape(-1))
+    return out
 
 
 @njit(cache=True)
