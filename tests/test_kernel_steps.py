@@ -372,3 +372,26 @@ def test_fused_steps_compile_again_when_the_generic_kernels_change(tmp_path):
     generic = tmp_path / "a3b_core" / "kernels" / "cpu_numba.py"
     generic.write_text(generic.read_text() + "\n# a changed generic kernel\n")
     assert not loaded_from_cache() and loaded_from_cache()
+
+
+def test_fused_steps_compiled_against_cached_generic_kernels_load_in_a_new_process(tmp_path):
+    """A process compiles a generic kernel that calls a parallel one (bf16_product, matrix_rows), the next loads it
+    from the disk cache and compiles a fused step calling it (cpu_steps.product), a third loads that step: numba
+    caches the step without the parallel kernel's hook that starts its thread pool, which importing cpu_numba.py
+    starts instead, so every child exits 0 (on a copy of the package, its own NUMBA_CACHE_DIR)."""
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "a3b_core", tmp_path / "a3b_core", ignore=shutil.ignore_patterns("__pycache__", "demo"))
+    code = ("import sys\n"
+            "import numpy as np\n"
+            "from a3b_core.kernels.arrays import BF16, Matrix\n"
+            "matrix = Matrix(BF16, np.zeros((1, 1, 4, 8), np.int16), np.zeros((0, 0, 0), np.float32))\n"
+            "if sys.argv[1] == 'generic':\n"
+            "    from a3b_core.kernels import cpu_numba\n"
+            "    cpu_numba.bf16_product(*matrix, np.ones((2, 8), np.float32))\n"
+            "else:\n"
+            "    from a3b_core.models.qwen3_5 import cpu_steps\n"
+            "    cpu_steps.product(matrix, np.ones((2, 8), np.float32))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    codes = [subprocess.run([sys.executable, "-c", code, kind], cwd=tmp_path, env=env, capture_output=True).returncode
+             for kind in ("generic", "step", "step")]
+    assert codes == [0, 0, 0]

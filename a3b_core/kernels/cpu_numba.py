@@ -16,7 +16,7 @@ arrive, ask for the rows ahead of them (prefetch_ahead). A chosen expert's rows 
 activation rows routed to it (the repeats hit the cache), and each row's result is the same whatever other rows share
 the call (batches decode as their rows would alone). fastmath lets LLVM reorder the fp32 sums; the error stays an fp32
 rounding of a sum (int4 and coded int8: and the codes' rounding, at most 1/65534 of a group's largest |activation| per
-input), far below the formats' own.
+input), far below the formats' own. Importing this module starts numba's thread pool (see get_num_threads below).
 
 Arrays (all C-contiguous, so three compiled signatures of each kernel serve the four formats, each compiled once
 per machine; a dense matrix is held as one expert):
@@ -66,6 +66,12 @@ PMADD_LANES = pmadd_lanes()
 def set_threads(threads: int) -> None:
     """The kernels' thread count (numba's pool holds at most NUMBA_NUM_THREADS)."""
     numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
+
+
+# A kernel compiled against a cached parallel kernel (bf16_product, cpu_steps.py's steps) is cached without the hook
+# that starts numba's thread pool when the parallel one loads; loaded in a new process before any parallel kernel
+# ran, it would call a pool never started (a segfault). Starting the pool on import covers every such kernel.
+numba.get_num_threads()
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
