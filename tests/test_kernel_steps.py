@@ -350,18 +350,28 @@ def test_importing_the_engine_leaves_numba_unimported():
     assert found.stdout.strip() == "False"
 
 
+# a one-matrix product in a child process run on a copy of the package (see package_copy)
+MATRIX = ("import sys\n"
+          "import numpy as np\n"
+          "from a3b_core.kernels.arrays import BF16, Matrix\n"
+          "matrix = Matrix(BF16, np.zeros((1, 1, 4, 8), np.int16), np.zeros((0, 0, 0), np.float32))\n"
+          "rows = np.ones((2, 8), np.float32)\n")
+
+
+def package_copy(tmp_path: Path) -> dict[str, str]:
+    """A copy of a3b_core in tmp_path with its own numba cache: the environment for child processes run there."""
+    root = Path(__file__).resolve().parents[1]
+    shutil.copytree(root / "a3b_core", tmp_path / "a3b_core", ignore=shutil.ignore_patterns("__pycache__", "demo"))
+    return {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+
+
 def test_fused_steps_compile_again_when_the_generic_kernels_change(tmp_path):
     """numba stamps a kernel's disk cache with its own file only; Qwen3.5's fused steps compile cpu_numba.py's kernels
     in, so once cpu_numba.py changes (a newer pack) they compile again instead of loading their old copies."""
-    root = Path(__file__).resolve().parents[1]
-    shutil.copytree(root / "a3b_core", tmp_path / "a3b_core", ignore=shutil.ignore_patterns("__pycache__", "demo"))
-    code = ("import numpy as np\n"
-            "from a3b_core.kernels.arrays import BF16, Matrix\n"
-            "from a3b_core.models.qwen3_5 import cpu_steps\n"
-            "matrix = Matrix(BF16, np.zeros((1, 1, 4, 8), np.int16), np.zeros((0, 0, 0), np.float32))\n"
-            "cpu_steps.product(matrix, np.ones((2, 8), np.float32))\n"
-            "print(sum(cpu_steps.product.stats.cache_hits.values()))")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    env = package_copy(tmp_path)
+    code = MATRIX + ("from a3b_core.models.qwen3_5 import cpu_steps\n"
+                     "cpu_steps.product(matrix, rows)\n"
+                     "print(sum(cpu_steps.product.stats.cache_hits.values()))")
 
     def loaded_from_cache() -> bool:
         run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True,
@@ -379,19 +389,13 @@ def test_fused_steps_compiled_against_cached_generic_kernels_load_in_a_new_proce
     from the disk cache and compiles a fused step calling it (cpu_steps.product), a third loads that step: numba
     caches the step without the parallel kernel's hook that starts its thread pool, which importing cpu_numba.py
     starts instead, so every child exits 0 (on a copy of the package, its own NUMBA_CACHE_DIR)."""
-    root = Path(__file__).resolve().parents[1]
-    shutil.copytree(root / "a3b_core", tmp_path / "a3b_core", ignore=shutil.ignore_patterns("__pycache__", "demo"))
-    code = ("import sys\n"
-            "import numpy as np\n"
-            "from a3b_core.kernels.arrays import BF16, Matrix\n"
-            "matrix = Matrix(BF16, np.zeros((1, 1, 4, 8), np.int16), np.zeros((0, 0, 0), np.float32))\n"
-            "if sys.argv[1] == 'generic':\n"
-            "    from a3b_core.kernels import cpu_numba\n"
-            "    cpu_numba.bf16_product(*matrix, np.ones((2, 8), np.float32))\n"
-            "else:\n"
-            "    from a3b_core.models.qwen3_5 import cpu_steps\n"
-            "    cpu_steps.product(matrix, np.ones((2, 8), np.float32))\n")
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"NUMBA_CACHE_DIR": str(tmp_path / "cache")}
+    env = package_copy(tmp_path)
+    code = MATRIX + ("if sys.argv[1] == 'generic':\n"
+                     "    from a3b_core.kernels import cpu_numba\n"
+                     "    cpu_numba.bf16_product(matrix.code, matrix.q, matrix.scale, rows)\n"
+                     "else:\n"
+                     "    from a3b_core.models.qwen3_5 import cpu_steps\n"
+                     "    cpu_steps.product(matrix, rows)\n")
     codes = [subprocess.run([sys.executable, "-c", code, kind], cwd=tmp_path, env=env, capture_output=True).returncode
              for kind in ("generic", "step", "step")]
     assert codes == [0, 0, 0]
