@@ -220,3 +220,14 @@ def test_a_weights_file_given_by_itself_reads_its_config_beside_it(fp32_model, a
     zero = fp32_model.logits(ids)
     fp32_model.set_loras([])
     assert torch.equal(zero, fp32_model.logits(ids))
+
+
+def test_a_batch_with_adapters_decodes_each_prompt_as_alone(fixtures, tmp_path):
+    """Batched generation (per-image mode, the server's batches) with adapters on, through the fused steps built
+    with their side paths: each row's tokens are those of its prompt generated alone."""
+    lora = qwen3_5_adapter(tmp_path / "moe", config_of(fixtures.moe_fused_bf16), size=1.0, experts=False)
+    model = load_model(fixtures.moe_fused_bf16, preset="cpu", compute_dtype="bfloat16", loras=[(lora, 0.7)])
+    prompts = [torch.tensor([5, 17, 99, 3]), torch.tensor([250, 41, 7, 8]), torch.tensor([12, 13, 14, 15])]
+    alone = [model.generate(p, max_new_tokens=8, temperature=0).token_ids for p in prompts]
+    batched = [r.token_ids for r in model.generate_batch(prompts, max_new_tokens=8, temperature=0)]
+    assert batched == alone
