@@ -15,6 +15,7 @@ from a3b_core import load_model
 from a3b_core.errors import AdapterError
 from a3b_core.formats.kernel_stores import kernels_enabled
 from a3b_core.formats.lora import AdaptedExperts
+from a3b_core.runtime.adapters import KEPT_ADAPTERS
 from a3b_core.runtime.loader import DEMO_MODELS
 from tests.fake_cuda import FakeCuda
 from tests.synthetic_adapters import factors, qwen3_5_adapter, write_adapter
@@ -231,3 +232,13 @@ def test_a_batch_with_adapters_decodes_each_prompt_as_alone(fixtures, tmp_path):
     alone = [model.generate(p, max_new_tokens=8, temperature=0).token_ids for p in prompts]
     batched = [r.token_ids for r in model.generate_batch(prompts, max_new_tokens=8, temperature=0)]
     assert batched == alone
+
+
+def test_only_the_adapters_used_last_stay_read(fp32_model, tmp_path):
+    folders = [write_adapter(tmp_path / f"a{i}", {Q_PROJ: factors(512, 128, 2, i)}, 2, 2)
+               for i in range(KEPT_ADAPTERS + 2)]
+    for folder in folders:
+        fp32_model.set_loras([(folder, 1.0)])
+    fp32_model.set_loras([])
+    kept = {key[0].parent.name for key in fp32_model.adapters.read}
+    assert kept == {f"a{i}" for i in range(2, KEPT_ADAPTERS + 2)}

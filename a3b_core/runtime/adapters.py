@@ -34,6 +34,7 @@ from ..release.adapters import Adapter, Factors, adapter_files, read_adapter
 from .step_kernels import refit_step_kernels
 
 LoraRequest = Sequence[tuple[str | os.PathLike, float]]  # (adapter folder or .safetensors file, strength)
+KEPT_ADAPTERS = 8  # adapters kept once read (a few MB to a few hundred each)
 REPLACEABLE = ("lm_head", "embed_tokens")  # the modules an adapter may replace whole (modules_to_save)
 Pair = tuple[torch.Tensor, torch.Tensor]  # (a, b with the scale and strength in it)
 
@@ -69,7 +70,8 @@ class ModelAdapters:
         self.vision_prefixes, self.dtype, self.model_name = vision_prefixes, dtype, model_name
         self.active: list[tuple[Path, float]] = []
         self.undo: list[Callable[[], None]] = []
-        self.read: dict[tuple, Adapter] = {}  # by (weights file, size, mtime): switching back reads nothing
+        # the last KEPT_ADAPTERS adapters read, by (weights file, size, mtime): switching between wires reads nothing
+        self.read: dict[tuple, Adapter] = {}
 
     def set(self, loras: LoraRequest) -> None:
         """Puts exactly these adapters (with their strengths) on the model, replacing those on it; [] leaves the
@@ -105,10 +107,13 @@ class ModelAdapters:
     def adapter(self, weights: Path) -> Adapter:
         stat = weights.stat()
         key = (weights, stat.st_size, stat.st_mtime_ns)
-        if key not in self.read:
-            self.read = {k: v for k, v in self.read.items() if k[0] != weights}  # an older version of the file
-            self.read[key] = read_adapter(weights)
-        return self.read[key]
+        adapter = self.read.pop(key, None) or read_adapter(weights)
+        # an older version of the file, and the adapters used longest ago, are dropped
+        self.read = {k: v for k, v in self.read.items() if k[0] != weights}
+        self.read[key] = adapter
+        for old in list(self.read)[:-KEPT_ADAPTERS]:
+            del self.read[old]
+        return adapter
 
     def clear(self) -> None:
         """Takes every side path and replacement off: the base model as loaded."""
