@@ -1,6 +1,7 @@
 """Command line: `python -m a3b_core caption IMAGE...`, `caption-folder DIR`, `plan MODEL --preset 8gb [--json]`,
 `inspect MODEL`, `serve MODEL [--preset P] [--device D] [--host H] [--port P] [--api-key-env VAR]`; `caption`,
-`caption-folder` and `serve` take `--lora PATH[:STRENGTH]`, repeatable."""
+`caption-folder` and `serve` take `--lora PATH[:STRENGTH]`, repeatable; `serve` also `--lora-module
+NAME=PATH[:STRENGTH]`."""
 from __future__ import annotations
 
 import argparse
@@ -10,7 +11,7 @@ from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
-from .errors import A3BError, ImageError
+from .errors import A3BError, AdapterError, ImageError
 from .models import family_for, load_config
 from .release.adapters import adapter_files
 from .release.safetensors import Checkpoint
@@ -53,6 +54,19 @@ def loras(texts: Sequence[str]) -> tuple[tuple[str, float], ...]:
     for path, _ in chosen:
         adapter_files(path)
     return chosen
+
+
+def lora_modules(texts: Sequence[str], model: str) -> dict[str, tuple[tuple[str, float], ...]]:
+    """serve's --lora-module choices: served name -> its adapters (a name given again adds to its adapters)."""
+    named: dict[str, tuple[tuple[str, float], ...]] = {}
+    for text in texts:
+        name, equals, choice = text.partition("=")
+        name = name.strip()
+        if not equals or not name or name == Path(model).name:
+            raise AdapterError(f"--lora-module {text!r}: give NAME=PATH[:STRENGTH], NAME a model name of its own "
+                               f"(not {Path(model).name!r}, the base model's), e.g. storyboard=loras/manga:0.8.")
+        named[name] = named.get(name, ()) + loras([choice])
+    return named
 
 
 def cmd_caption(args: argparse.Namespace) -> int:
@@ -122,7 +136,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     options = LoadOptions(preset=args.preset, weight_format=args.weight_format, dense_format=args.dense_format,
                           kv_cache=args.kv_cache, max_context=args.max_context, device=args.device,
                           loras=loras(args.lora))
-    run(args.model, options, args.host, args.port, args.api_key_env, args.max_batch_size, args.allow_origin)
+    run(args.model, options, args.host, args.port, args.api_key_env, args.max_batch_size, args.allow_origin,
+        lora_modules(args.lora_module, args.model))
     return 0
 
 
@@ -236,6 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a web page origin (e.g. http://localhost:3000) whose pages may send requests and read "
                             "the answers; repeat it for several (default: none, web pages are refused)")
     add_lora_argument(serve)
+    serve.add_argument("--lora-module", action="append", default=[], metavar="NAME=PATH[:STRENGTH]",
+                       help="also serve the model with this LoRA adapter (and any --lora ones) as the model NAME, "
+                            "which requests choose with their 'model' field and /v1/models lists; repeatable")
     serve.set_defaults(run=cmd_serve)
     return parser
 

@@ -28,12 +28,14 @@ import pytest
 from PIL import Image
 
 from a3b_core import GenerationResult, load_model
+from a3b_core.__main__ import main
 from a3b_core.services.openai_requests import (MAX_IMAGES_PER_REQUEST, MAX_REQUEST_PIXELS, MAX_STOP_CHARS,
                                                MAX_STOP_STRINGS, RequestError, parse_chat_request)
 from a3b_core.services.openai_server import IDLE_TIMEOUT_S, AnswerStream
 from tests.hostile_inputs import EPS, blank_png, cpu_seconds, fake_ghostscript, memory_kib, reset_peak
 from tests.integration.pixel_art_inputs import INPUTS, expected_captions
 from tests.served import REPO, Served, start_served
+from tests.synthetic_adapters import write_demo_adapter
 from tests.test_bad_inputs import FIX
 
 MODEL = "a3b-demo"
@@ -539,10 +541,10 @@ def test_streamed_deltas_add_up_to_the_final_answer_whatever_the_pieces(thinking
 
 def test_stop_strings_are_bounded_in_number_and_length():
     body = {"model": MODEL, "messages": [user_message(REQUEST)]}
-    assert parse_chat_request(body | {"stop": ["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS}, MODEL, False).stop
+    assert parse_chat_request(body | {"stop": ["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS}, (MODEL,), False).stop
     for stop in (["x"] * (MAX_STOP_STRINGS + 1), ["x" * (MAX_STOP_CHARS + 1)]):
         with pytest.raises(RequestError, match=f"at most {MAX_STOP_STRINGS} stop strings") as info:
-            parse_chat_request(body | {"stop": stop}, MODEL, False)
+            parse_chat_request(body | {"stop": stop}, (MODEL,), False)
         assert info.value.param == "stop" and FIX.search(str(info.value))
 
 
@@ -567,3 +569,34 @@ def test_holding_back_stop_strings_costs_each_update_the_same_however_long_the_a
     stops = tuple(chr(0x2460 + number) * MAX_STOP_CHARS for number in range(MAX_STOP_STRINGS))
     with_stops, without = _stream_cpu_seconds(stops, text), _stream_cpu_seconds((), text)
     assert with_stops < 6 * without + 0.05, (with_stops, without)
+
+
+# ------------------------------------------------------------------------------------------------ named adapters
+def test_a_named_lora_is_its_own_model_and_the_base_stays_the_base(tmp_path, demo):
+    """serve --lora-module NAME=PATH: /v1/models lists the model and NAME; requests for NAME run with the adapter
+    (the local engine's answer with it), requests for the model without it, whatever came before."""
+    adapter = write_demo_adapter(tmp_path / "style")
+    server = start_served(tmp_path, "--lora-module", f"style={adapter}")
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="not-checked", max_retries=0, timeout=120)
+        assert [m.id for m in client.models.list().data] == [MODEL, "style"]
+        message = [user_message(REQUEST, PIXEL_IMAGES[:1])]
+        options = {"max_tokens": 200, "temperature": 0,
+                   "extra_body": {"chat_template_kwargs": {"enable_thinking": False}}}
+        styled = client.chat.completions.create(model="style", messages=message, **options)
+        base = client.chat.completions.create(model=MODEL, messages=message, **options)
+        assert styled.model == "style" and base.model == MODEL
+        assert base.choices[0].message.content == local_answer(demo, REQUEST, PIXEL_IMAGES[:1]).text
+        demo.set_loras([(adapter, 1.0)])
+        try:
+            assert styled.choices[0].message.content == local_answer(demo, REQUEST, PIXEL_IMAGES[:1]).text
+        finally:
+            demo.set_loras([])
+        assert styled.choices[0].message.content != base.choices[0].message.content
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("choice", ["style", "=x", f"{MODEL}=x"])
+def test_a_lora_module_without_a_name_of_its_own_is_refused(choice):
+    assert main(["serve", MODEL, "--port", "0", "--lora-module", choice]) == 2

@@ -14,7 +14,7 @@ import binascii
 import contextlib
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +43,7 @@ class RequestError(A3BError):
 
 @dataclass(frozen=True)
 class ChatRequest:
+    model: str  # one of the names the server serves (the model, or the model with a named LoRA adapter)
     conversation: Conversation
     thinking: bool
     stream: bool
@@ -60,21 +61,21 @@ class ChatRequest:
         """Requests with equal keys can be decoded as one batch: one sampler and one max_new_tokens serve them all.
         A sampled request with its own seed gets a key of its own."""
         alone = object() if self.sampled and self.seed is not None else None
-        return (self.thinking, self.max_tokens, self.stop, tuple(self.sampling.values()), alone)
+        return (self.model, self.thinking, self.max_tokens, self.stop, tuple(self.sampling.values()), alone)
 
 
-def parse_chat_request(body: object, model_name: str, default_thinking: bool) -> ChatRequest:
-    """The body of POST /v1/chat/completions, checked field by field; `default_thinking` is the thinking mode of a
-    request that does not set enable_thinking (the model's own default)."""
+def parse_chat_request(body: object, model_names: Sequence[str], default_thinking: bool) -> ChatRequest:
+    """The body of POST /v1/chat/completions, checked field by field; `model_names` are the names the server serves
+    (the model's first); `default_thinking` is the thinking mode of a request that does not set enable_thinking (the
+    model's own default)."""
     if not isinstance(body, dict):
         raise RequestError("the request body is not a JSON object; pass an object with 'model' and 'messages'.")
-    if body.get("model") != model_name:
+    names = " or ".join(repr(name) for name in model_names)
+    if body.get("model") not in model_names:
         if not isinstance(body.get("model"), str):
-            raise RequestError(f"'model' is missing; set it to {model_name!r}, the model this server serves.",
-                               param="model")
-        raise RequestError(f"the model {body['model']!r} does not exist here; use {model_name!r}, the model this "
-                           "server serves (GET /v1/models lists it).", status=404, param="model",
-                           code="model_not_found")
+            raise RequestError(f"'model' is missing; set it to {names}, what this server serves.", param="model")
+        raise RequestError(f"the model {body['model']!r} does not exist here; use {names}, what this server serves "
+                           "(GET /v1/models lists it).", status=404, param="model", code="model_not_found")
     unsupported = {"tools": "tools", "logprobs": "logprobs", "logit_bias": "logit_bias",
                    "frequency_penalty": "frequency_penalty (use presence_penalty or repetition_penalty)"}
     for name, what in unsupported.items():
@@ -121,8 +122,8 @@ def parse_chat_request(body: object, model_name: str, default_thinking: bool) ->
     if not isinstance(stream, bool) or not isinstance(options, dict):
         raise RequestError("stream must be true or false, and stream_options an object; set them so.",
                            param="stream")
-    return ChatRequest(conversation, thinking, stream, bool(options.get("include_usage")), max_tokens, sampling,
-                       seed, tuple(s for s in stops if s))
+    return ChatRequest(body["model"], conversation, thinking, stream, bool(options.get("include_usage")), max_tokens,
+                       sampling, seed, tuple(s for s in stops if s))
 
 
 def _not_integer(value: object) -> bool:
@@ -173,9 +174,9 @@ class RequestPreparer:
     """Turns the requests for one model into prepared generations, on the server's preparing threads: it reads the
     model's settings and tokenizer, and never runs the model."""
 
-    def __init__(self, model: A3BModel, model_name: str):
+    def __init__(self, model: A3BModel, model_names: Sequence[str]):
         self.model = model
-        self.model_name = model_name
+        self.model_names = tuple(model_names)
         # A lower bound of a text's tokens: no token of this vocabulary spells more characters than its longest entry
         # (a byte-level entry has one character per byte, and a byte is at most one character).
         self.max_token_chars = max(map(len, model.require_tokenizer().backend.get_vocab(with_added_tokens=True)))
@@ -191,7 +192,7 @@ class RequestPreparer:
         except RecursionError:
             raise RequestError("the request body nests JSON arrays or objects too deeply to read; write the "
                                "messages as the OpenAI API describes them.") from None
-        chat = parse_chat_request(body, self.model_name, self.model.default_thinking)
+        chat = parse_chat_request(body, self.model_names, self.model.default_thinking)
         conversation = chat.conversation
         if len(conversation.image_urls) > MAX_IMAGES_PER_REQUEST:
             raise RequestError(f"the messages hold {len(conversation.image_urls)} images; use at most "

@@ -46,6 +46,7 @@ from aiohttp import web
 from PIL import Image
 
 from .. import A3BError, A3BModel, ChatPrompt, ConfigError, GenerationResult, load_model, split_reasoning
+from ..runtime.adapters import LoraRequest
 from ..runtime.options import LoadOptions
 from .openai_requests import ChatRequest, RequestError, RequestPreparer
 
@@ -149,10 +150,12 @@ class Job:
 
 
 class Worker:
-    """The one thread that uses the model: batches of compatible jobs, in arrival order of their first job."""
+    """The one thread that uses the model: batches of compatible jobs (one served name each), in arrival order of
+    their first job; each batch runs with its served name's LoRA adapters on the model."""
 
-    def __init__(self, model: A3BModel, max_batch_size: int):
+    def __init__(self, model: A3BModel, max_batch_size: int, served: dict[str, LoraRequest]):
         self.model = model
+        self.served = served
         self.max_batch_size = max_batch_size
         self.running = 0
         self.largest_batch = 0
@@ -208,6 +211,7 @@ class Worker:
                 self.running = 0
 
     def _run(self, batch: list[Job]) -> None:
+        self.model.set_loras(self.served[batch[0].request.model])  # checked at start: nothing to read or refuse
         ready = []
         for job in batch:
             try:
@@ -291,13 +295,20 @@ class ChatServer:
     """The aiohttp application around one model, its worker and the threads that prepare requests."""
 
     def __init__(self, model: A3BModel, model_name: str, api_key: str | None, max_batch_size: int,
-                 allowed_origins: tuple[str, ...] = ()):
+                 allowed_origins: tuple[str, ...] = (), named_loras: dict[str, LoraRequest] | None = None):
+        """`model_name` serves the model with the adapters it was loaded with; each of `named_loras` serves it with
+        those and its own (vLLM's --lora-modules)."""
         self.model = model
         self.model_name = model_name
         self.api_key = api_key
         self.allowed_origins = allowed_origins
-        self.requests = RequestPreparer(model, model_name)
-        self.worker = Worker(model, max_batch_size)
+        base = model.loras
+        self.served = {model_name: base} | {name: [*base, *loras] for name, loras in (named_loras or {}).items()}
+        for loras in self.served.values():  # every adapter read and checked before the first request
+            model.set_loras(loras)
+        model.set_loras(base)
+        self.requests = RequestPreparer(model, tuple(self.served))
+        self.worker = Worker(model, max_batch_size, self.served)
         self.preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="a3b-serve-prepare")
         self.budget = PixelBudget(MAX_HELD_PIXELS)
         self.created = int(time.time())
@@ -382,8 +393,8 @@ class ChatServer:
 
     async def models(self, _request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{
-            "id": self.model_name, "object": "model", "created": self.created, "owned_by": "a3b-nodes",
-            "max_model_len": self.model.max_context}]})
+            "id": name, "object": "model", "created": self.created, "owned_by": "a3b-nodes",
+            "max_model_len": self.model.max_context} for name in self.served]})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -415,7 +426,7 @@ class ChatServer:
             result: GenerationResult = value
             message = {"role": "assistant", "content": result.text, "reasoning_content": result.reasoning or None}
             return web.json_response({
-                "id": completion_id, "object": "chat.completion", "created": created, "model": self.model_name,
+                "id": completion_id, "object": "chat.completion", "created": created, "model": job.request.model,
                 "choices": [{"index": 0, "message": message, "logprobs": None,
                              "finish_reason": FINISH_REASONS[result.stop_reason]}],
                 "usage": _usage(result)})
@@ -428,7 +439,7 @@ class ChatServer:
 
         def chunk(delta: dict, finish_reason: str | None = None) -> dict:
             return {"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                    "model": self.model_name,
+                    "model": job.request.model,
                     "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}]}
 
         stream = AnswerStream(job.request.thinking, job.request.stop)
@@ -448,7 +459,7 @@ class ChatServer:
                 await send(chunk({}, FINISH_REASONS[value.stop_reason]))
                 if job.request.include_usage:
                     await send({"id": completion_id, "object": "chat.completion.chunk", "created": created,
-                                "model": self.model_name, "choices": [], "usage": _usage(value)})
+                                "model": job.request.model, "choices": [], "usage": _usage(value)})
             await send("[DONE]")
             await response.write_eof()
         except ConnectionResetError:
@@ -513,8 +524,9 @@ def checked_origins(origins: list[str]) -> tuple[str, ...]:
 
 
 def run(model_path: str, options: LoadOptions, host: str, port: int, api_key_env: str | None,
-        max_batch_size: int, allow_origins: list[str] = ()) -> None:
-    """Loads the model and serves it until SIGINT or SIGTERM. Everything the command line gives is checked first."""
+        max_batch_size: int, allow_origins: list[str] = (), named_loras: dict[str, LoraRequest] | None = None) -> None:
+    """Loads the model and serves it until SIGINT or SIGTERM, under its folder's name and under each name of
+    `named_loras` with those adapters too. Everything the command line gives is checked first."""
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port} is not a port number; use 1 to 65535 (or 0 for a free one).")
     if max_batch_size < 1:
@@ -525,7 +537,7 @@ def run(model_path: str, options: LoadOptions, host: str, port: int, api_key_env
     log.info("loading %s (preset %s, device %s%s)", model_path, options.preset, options.device,
              "".join(f", LoRA {path} at {strength:g}" for path, strength in options.loras))
     model = load_model(model_path, **options.as_kwargs())
-    server = ChatServer(model, Path(model_path).name, api_key, max_batch_size, origins)
+    server = ChatServer(model, Path(model_path).name, api_key, max_batch_size, origins, named_loras)
     asyncio.run(_serve(server, host, port))
 
 
