@@ -1,0 +1,336 @@
+"""A GGUF file as a checkpoint: the tensors of the Hugging Face release, by their names and in their layouts, with
+everything llama.cpp's convert_hf_to_gguf.py changed undone (it is the same interface as safetensors.Checkpoint,
+so the loader, the planner and `inspect` read a GGUF as they read a model folder).
+
+What the converter does, and what is undone here (GGUF -> HF), per architecture:
+- qwen35moe / qwen35 (Qwen3.5/3.6): RMSNorm weights are stored as 1 + w (all but the DeltaNet gated norm) -> minus 1;
+  A_log is stored as ssm_a = -exp(A_log) -> log(-ssm_a); dt_bias is named ssm_dt.bias; conv1d [C, 1, K] is stored
+  [C, K]; where linear_num_value_heads > linear_num_key_heads, the value heads of in_proj_qkv (V rows), in_proj_z,
+  in_proj_b, in_proj_a, dt_bias, A_log, conv1d (V rows) and out_proj (columns) are reordered from grouped
+  (k0v0, k0v1, k1v0, ...) to tiled (k0v0, k1v0, ..., k0v1, ...) -> the inverse permutation.
+- every MoE: gate_up_proj [E, 2I, H] is split into ffn_gate_exps and ffn_up_exps [E, I, H] -> concatenated (or
+  ffn_gate_up_exps, written with --fuse-gate-up-exps, taken as is); down_proj [E, H, I] is kept.
+- qwen3vlmoe / qwen3vl: only names (Qwen3-VL's transposed expert release is written as [E, I, H] / [E, H, I]).
+- MTP layers (blk.N.* past block_count - nextn_predict_layers) are not exposed: the engine does not use them.
+
+This slice reads the float types F32, F16 and BF16; the quantized block types (Q8_0, Q4_K, ...) are refused by name.
+"""
+from __future__ import annotations
+
+import bisect
+import mmap
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from .gguf_file import TensorRecord, check_gguf_file
+
+FLOAT_TYPES: dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+ARCHITECTURES = ("qwen35moe", "qwen35", "qwen3vlmoe", "qwen3vl")
+TEXT = "model.language_model."
+_BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+# One layer's GGUF names -> HF names (under model.language_model.layers.N.) and how each was changed by the converter.
+COMMON = {
+    "attn_q.weight": ("self_attn.q_proj.weight", "copy"), "attn_k.weight": ("self_attn.k_proj.weight", "copy"),
+    "attn_v.weight": ("self_attn.v_proj.weight", "copy"), "attn_output.weight": ("self_attn.o_proj.weight", "copy"),
+    "ffn_gate_inp.weight": ("mlp.gate.weight", "copy"), "ffn_down_exps.weight": ("mlp.experts.down_proj", "copy"),
+    "ffn_gate_up_exps.weight": ("mlp.experts.gate_up_proj", "copy"),
+    "ffn_gate.weight": ("mlp.gate_proj.weight", "copy"), "ffn_up.weight": ("mlp.up_proj.weight", "copy"),
+    "ffn_down.weight": ("mlp.down_proj.weight", "copy"),
+}
+QWEN35_LAYER = {
+    **COMMON,
+    "attn_norm.weight": ("input_layernorm.weight", "norm"),
+    "post_attention_norm.weight": ("post_attention_layernorm.weight", "norm"),
+    "attn_q_norm.weight": ("self_attn.q_norm.weight", "norm"), "attn_k_norm.weight": ("self_attn.k_norm.weight", "norm"),
+    "attn_qkv.weight": ("linear_attn.in_proj_qkv.weight", "v_rows"),
+    "attn_gate.weight": ("linear_attn.in_proj_z.weight", "heads_rows"),
+    "ssm_beta.weight": ("linear_attn.in_proj_b.weight", "head_rows"),
+    "ssm_alpha.weight": ("linear_attn.in_proj_a.weight", "head_rows"),
+    "ssm_conv1d.weight": ("linear_attn.conv1d.weight", "conv"),
+    "ssm_dt.bias": ("linear_attn.dt_bias", "head_rows"),
+    "ssm_a": ("linear_attn.A_log", "a_log"),
+    "ssm_norm.weight": ("linear_attn.norm.weight", "copy"),
+    "ssm_out.weight": ("linear_attn.out_proj.weight", "heads_cols"),
+    "ffn_gate_shexp.weight": ("mlp.shared_expert.gate_proj.weight", "copy"),
+    "ffn_up_shexp.weight": ("mlp.shared_expert.up_proj.weight", "copy"),
+    "ffn_down_shexp.weight": ("mlp.shared_expert.down_proj.weight", "copy"),
+    "ffn_gate_inp_shexp.weight": ("mlp.shared_expert_gate.weight", "row"),
+}
+QWEN3VL_LAYER = {
+    **COMMON,
+    "attn_norm.weight": ("input_layernorm.weight", "copy"),
+    "ffn_norm.weight": ("post_attention_layernorm.weight", "copy"),
+    "attn_q_norm.weight": ("self_attn.q_norm.weight", "copy"), "attn_k_norm.weight": ("self_attn.k_norm.weight", "copy"),
+}
+EXPERT_HALVES = ("ffn_gate_exps.weight", "ffn_up_exps.weight")  # -> mlp.experts.gate_up_proj, concatenated
+
+
+@dataclass(frozen=True)
+class GGUFTensorInfo:
+    """One HF tensor of a GGUF checkpoint: its shape and dtype as the release has them, and where it comes from."""
+    name: str
+    file: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    nbytes: int
+    sources: tuple[TensorRecord, ...]  # the GGUF tensors it is made of
+    op: str  # how: copy, norm, v_rows, heads_rows, head_rows, heads_cols, conv, a_log, row, cat
+
+
+@dataclass(frozen=True)
+class LinearHeads:
+    """The DeltaNet head layout that the value-head reorder permutes by."""
+    key_heads: int
+    value_heads: int
+    key_dim: int  # all key heads together (nk * dk): where the V rows of in_proj_qkv and conv1d start
+    value_head_dim: int
+
+
+def metadata(reader: Any, key: str, default: Any = None) -> Any:
+    """A metadata value of a GGUFReader (a scalar, a string or a list), or `default` when the key is absent."""
+    field = reader.fields.get(key)
+    return default if field is None else field.contents()
+
+
+def open_reader(path: Path, records: list[TensorRecord]) -> Any:
+    """gguf.GGUFReader on a file that check_gguf_file passed; its tensors must be the ones we found."""
+    import gguf  # the reader of llama.cpp's own project (PyPI gguf); imported when a GGUF is opened
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except (ValueError, IndexError, KeyError, TypeError, OverflowError) as exc:
+        raise CheckpointError(f"{path}: the GGUF metadata cannot be read ({exc}). The file is corrupt: download it "
+                              "again.") from exc
+    found = {t.name: int(t.data_offset) for t in reader.tensors}
+    if found != {r.name: r.offset for r in records}:
+        raise CheckpointError(f"{path}: the GGUF reader and the header check disagree on the tensors; the file is "
+                              "corrupt or crafted. Download it again.")
+    return reader
+
+
+class GGUFCheckpoint:
+    """A GGUF file's tensors under the HF release's names (model.language_model.layers.N...., lm_head.weight) and in
+    its layouts. `folder` and `files` are the .gguf file itself (messages and caches name it)."""
+
+    def __init__(self, path: str | Path, fp8_block: tuple[int, int] = (128, 128)):
+        self.path = Path(path)
+        self.folder = self.path
+        self.files = [self.path]
+        self.fp8_block = fp8_block  # unused (GGUF has no FP8 blocks); kept for the loader's interface
+        records = check_gguf_file(self.path)
+        self.reader = open_reader(self.path, records)
+        self.architecture = metadata(self.reader, "general.architecture")
+        if self.architecture not in ARCHITECTURES:
+            kind = metadata(self.reader, "general.type")
+            hint = (" It is a vision projector (mmproj): pass the model's GGUF, the mmproj is found beside it."
+                    if self.architecture == "clip" or kind == "mmproj" else "")
+            raise CheckpointError(f"{self.path}: GGUF architecture {self.architecture!r} is not supported; this pack "
+                                  f"reads {', '.join(ARCHITECTURES)} (Qwen3.5/3.6 and Qwen3-VL, as llama.cpp's "
+                                  f"convert_hf_to_gguf.py writes them).{hint}")
+        for record in records:
+            if record.type_name not in FLOAT_TYPES:
+                raise CheckpointError(
+                    f"{self.path}: tensor '{record.name}' is stored as {record.type_name}; this version reads GGUF "
+                    f"tensors of the float types {', '.join(FLOAT_TYPES)} only (the quantized block types Q8_0, "
+                    "Q4_K, ... come next). Use an F16, BF16 or F32 GGUF, or the model's safetensors release.")
+        self.heads = self._linear_heads() if self.architecture.startswith("qwen35") else None
+        self.infos: dict[str, GGUFTensorInfo] = self._map(records)
+        self._map_file: mmap.mmap | None = None
+        self._sorted_names: list[str] = []
+
+    # ------------------------------------------------------------------------------------------- names and shapes
+    def _linear_heads(self) -> LinearHeads:
+        arch = self.architecture
+        key_heads = metadata(self.reader, f"{arch}.ssm.group_count")
+        value_heads = metadata(self.reader, f"{arch}.ssm.time_step_rank")
+        key_head_dim = metadata(self.reader, f"{arch}.ssm.state_size")
+        inner = metadata(self.reader, f"{arch}.ssm.inner_size")
+        values = (key_heads, value_heads, key_head_dim, inner)
+        if not all(isinstance(v, int) and v > 0 for v in values) or value_heads % key_heads or inner % value_heads:
+            raise CheckpointError(f"{self.path}: the DeltaNet keys {arch}.ssm.group_count / time_step_rank / "
+                                  f"state_size / inner_size are {list(values)}; expected positive integers with "
+                                  "heads that divide evenly. Convert the model again with a current llama.cpp.")
+        return LinearHeads(key_heads, value_heads, key_heads * key_head_dim, inner // value_heads)
+
+    def _map(self, records: list[TensorRecord]) -> dict[str, GGUFTensorInfo]:
+        arch = self.architecture
+        layer_map = QWEN35_LAYER if arch.startswith("qwen35") else QWEN3VL_LAYER
+        block_count = metadata(self.reader, f"{arch}.block_count")
+        trunk = block_count - (metadata(self.reader, f"{arch}.nextn_predict_layers", 0) or 0) \
+            if isinstance(block_count, int) else None
+        top = {"token_embd.weight": (TEXT + "embed_tokens.weight", "copy"), "output.weight": ("lm_head.weight", "copy"),
+               "output_norm.weight": (TEXT + "norm.weight", "norm" if arch.startswith("qwen35") else "copy")}
+        infos: dict[str, GGUFTensorInfo] = {}
+        halves: dict[int, dict[str, TensorRecord]] = {}
+        for record in records:
+            match = _BLOCK.match(record.name)
+            if match is None:
+                if record.name not in top:
+                    raise self._unknown(record)
+                name, op = top[record.name]
+            else:
+                layer, rest = int(match[1]), match[2]
+                if trunk is not None and layer >= trunk:
+                    continue  # an MTP (next-token prediction) layer
+                if rest in EXPERT_HALVES:
+                    halves.setdefault(layer, {})[rest] = record
+                    continue
+                if rest not in layer_map:
+                    raise self._unknown(record)
+                name, op = layer_map[rest]
+                name = f"{TEXT}layers.{layer}.{name}"
+            infos[name] = self._info(name, (record,), op)
+        for layer, pair in sorted(halves.items()):
+            name = f"{TEXT}layers.{layer}.mlp.experts.gate_up_proj"
+            if len(pair) != 2 or name in infos:
+                raise CheckpointError(f"{self.path}: layer {layer} has {', '.join(f'blk.{layer}.{n}' for n in pair)} "
+                                      f"but not both of {' and '.join(EXPERT_HALVES)} alone. The file is incomplete: "
+                                      "download it again.")
+            infos[name] = self._info(name, (pair[EXPERT_HALVES[0]], pair[EXPERT_HALVES[1]]), "cat")
+        return infos
+
+    def _unknown(self, record: TensorRecord) -> CheckpointError:
+        return CheckpointError(f"{self.path}: tensor '{record.name}' is not one llama.cpp's converter writes for "
+                               f"{self.architecture}; the file is from another converter or model. Convert the "
+                               "model again with a current llama.cpp.")
+
+    def _info(self, name: str, sources: tuple[TensorRecord, ...], op: str) -> GGUFTensorInfo:
+        shapes = [tuple(reversed(r.ne)) for r in sources]
+        shape = shapes[0]
+        if op == "cat":
+            if shapes[0] != shapes[1] or len(shape) != 3:
+                raise CheckpointError(f"{self.path}: '{sources[0].name}' {list(shapes[0])} and '{sources[1].name}' "
+                                      f"{list(shapes[1])} should be two [E, I, H] halves. The file is corrupt.")
+            shape = (shape[0], 2 * shape[1], shape[2])
+        elif op == "conv":
+            shape = (shape[0], 1, shape[-1])
+        elif op == "row":
+            shape = (1, shape[-1])
+        dtypes = {FLOAT_TYPES[r.type_name] for r in sources}
+        dtype = torch.float32 if op in ("norm", "a_log") or len(dtypes) > 1 else dtypes.pop()
+        self._check_heads(name, shape, op)
+        return GGUFTensorInfo(name, self.path, dtype, shape, sum(r.nbytes for r in sources), sources, op)
+
+    def _check_heads(self, name: str, shape: tuple[int, ...], op: str) -> None:
+        h = self.heads
+        if h is None or op not in ("v_rows", "heads_rows", "head_rows", "heads_cols", "conv", "a_log"):
+            return
+        size = shape[1] if op == "heads_cols" else shape[0]
+        expected = {"v_rows": h.key_dim * 2 + h.value_heads * h.value_head_dim,
+                    "conv": h.key_dim * 2 + h.value_heads * h.value_head_dim,
+                    "heads_rows": h.value_heads * h.value_head_dim, "heads_cols": h.value_heads * h.value_head_dim,
+                    "head_rows": h.value_heads, "a_log": h.value_heads}[op]
+        if size != expected:
+            raise CheckpointError(f"{self.path}: '{name}' has shape {list(shape)}, which does not fit the DeltaNet "
+                                  f"heads of the metadata ({h.key_heads} key / {h.value_heads} value heads); the "
+                                  "metadata contradicts the tensors. Convert the model again.")
+
+    # ------------------------------------------------------------------------------------------------ tensors
+    def __contains__(self, name: str) -> bool:
+        return name in self.infos
+
+    def _stored(self, record: TensorRecord) -> torch.Tensor:
+        """A GGUF tensor as stored, in torch order, viewing the memory-mapped file (copy-on-write)."""
+        if self._map_file is None:
+            with open(self.path, "rb") as f:
+                self._map_file = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(self._map_file, dtype=torch.uint8, count=record.nbytes, offset=record.offset)
+        return flat.view(FLOAT_TYPES[record.type_name]).view(tuple(reversed(record.ne)))
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor as the HF release has it: a view of the mapped file where the converter only renamed it, else
+        a new tensor with the converter's change undone."""
+        info = self.infos.get(name)
+        if info is None:
+            raise CheckpointError(f"{self.path}: tensor '{name}' is missing (this GGUF has no "
+                                  f"{name.removeprefix(TEXT)}). The file is incomplete or of another model: "
+                                  "download it again.")
+        parts = [self._stored(r) for r in info.sources]
+        if info.op == "cat":
+            return torch.cat([p.to(info.dtype) for p in parts], dim=1)
+        return undo(info.op, parts[0], self.heads, info.shape)
+
+    def weight(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor in `dtype`."""
+        value = self.raw(name)
+        if value.dtype == dtype:
+            return value
+        out = value.to(dtype)
+        self.release(name)
+        return out
+
+    def weight_at(self, name: str, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Matrix `index` of a stacked tensor [N, rows, cols] (fused experts) in `dtype`."""
+        info = self.infos.get(name)
+        if info is not None and info.op == "cat":
+            return torch.cat([self._stored(r)[index].to(dtype) for r in info.sources])
+        return self.raw(name)[index].to(dtype)
+
+    def release(self, name: str) -> None:
+        """Drops the mapped pages of a tensor that was copied out (they are read again if it is used again)."""
+        if self._map_file is None:
+            return
+        for record in self.infos[name].sources:
+            start = -(-record.offset // mmap.PAGESIZE) * mmap.PAGESIZE
+            end = (record.offset + record.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+            if end > start:
+                self._map_file.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def release_under(self, prefix: str) -> None:
+        """release() for every tensor whose name starts with `prefix`."""
+        names = self._sorted_names or sorted(self.infos)
+        self._sorted_names = names
+        for name in names[bisect.bisect_left(names, prefix):]:
+            if not name.startswith(prefix):
+                break
+            self.release(name)
+
+    def close(self) -> None:
+        if self._map_file is not None:
+            try:
+                self._map_file.close()
+            except BufferError:  # a tensor still views it; the OS unmaps when that tensor dies
+                pass
+            self._map_file = None
+        self.reader = None
+
+
+def unreorder_heads(x: torch.Tensor, dim: int, key_heads: int, value_heads: int, head_dim: int) -> torch.Tensor:
+    """The inverse of the converter's value-head reorder along `dim` (blocks of `head_dim`): tiled order
+    (k0v0, k1v0, ..., k0v1, ...) back to grouped order (k0v0, k0v1, ..., k1v0, ...)."""
+    shape = list(x.shape)
+    ratio = value_heads // key_heads
+    x = x.reshape(*shape[:dim], ratio, key_heads, head_dim, *shape[dim + 1:])
+    return x.transpose(dim, dim + 1).reshape(shape)
+
+
+def undo(op: str, x: torch.Tensor, heads: LinearHeads | None, shape: tuple[int, ...]) -> torch.Tensor:
+    """One stored GGUF tensor -> the HF tensor, undoing the converter's change `op`."""
+    if op == "copy":
+        return x
+    if op == "row":
+        return x.reshape(shape)
+    if op == "norm":
+        return x.to(torch.float32) - 1  # the converter added 1 in fp32: exact
+    assert heads is not None  # only qwen35 layers have these ops (checked when the tensor was mapped)
+    hd, nk, nv, kd = heads.value_head_dim, heads.key_heads, heads.value_heads, heads.key_dim
+    reorder: Callable[[torch.Tensor, int, int], torch.Tensor] = \
+        lambda t, dim, size: unreorder_heads(t, dim, nk, nv, size)
+    if op in ("v_rows", "conv"):
+        x = torch.cat([x[:2 * kd], reorder(x[2 * kd:], 0, hd)])
+        return x.unsqueeze(1) if op == "conv" else x
+    if op == "heads_rows":
+        return reorder(x, 0, hd)
+    if op == "heads_cols":
+        return reorder(x, 1, hd)
+    if op == "head_rows":
+        return reorder(x, 0, 1)
+    if op == "a_log":
+        return torch.log(-reorder(x.to(torch.float32), 0, 1))
+    raise ValueError(op)
