@@ -9,7 +9,8 @@ package cannot be had (no network, no mirror): the tests that need it skip and s
 Two workarounds the tiny fixtures need (see the converter trial notes): `--no-mtp` for Qwen3.5 (the fixtures have
 no MTP layer, which the converter exports by default), and the BPE pre-tokenizer hash check bypassed (the tiny
 vocabulary is no known model's): the wrapper answers `gpt-2`, which is what the tiny tokenizer.json's ByteLevel
-pre-tokenizer is. A tokenizer_config.json is put beside the copy so that eos and the chat template are written.
+pre-tokenizer is (one file says `qwen35`, the real Qwen3.5 regex, to test that path). A tokenizer_config.json is
+put beside the copy so that eos and the chat template are written.
 """
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 SDIST = "llama-cpp-python==0.3.36"
 VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
 NEEDED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
-WRAPPER = '''"""Runs convert_hf_to_gguf.py with the BPE pre-tokenizer hash check answered by $TOKPRE for unknown vocabularies."""
+WRAPPER = '''"""convert_hf_to_gguf.py, with $TOKPRE answering the pre-tokenizer check for unknown vocabularies."""
 import os, runpy, sys
 from pathlib import Path
 root = Path(os.environ["LLAMA_CPP_DIR"])
@@ -63,17 +64,19 @@ class GgufFixtures:
     dense_f32: Path  # from tiny_models' dense (Qwen3.5 dense)
     vl_moe_f32: Path  # from tiny_qwen3_vl's moe_bf16 (Qwen3-VL-MoE in the official transposed layout)
     vl_dense_f32: Path
+    dense_qwen35_pre: Path  # dense_f32 with tokenizer.ggml.pre = qwen35 (the real Qwen3.5 pre-tokenizer regex)
 
 
-# name -> (source fixture, converter arguments)
+# name -> (source fixture, converter arguments, tokenizer.ggml.pre written for the tiny vocabulary)
 CONVERSIONS = {
-    "moe_f32": ("moe_hf", ["--no-mtp", "--outtype", "f32"]),
-    "moe_fused_exps_f32": ("moe_hf", ["--no-mtp", "--outtype", "f32", "--fuse-gate-up-exps"]),
-    "moe_bf16": ("moe_hf", ["--no-mtp", "--outtype", "bf16"]),
-    "moe_q8_0": ("moe_hf", ["--no-mtp", "--outtype", "q8_0"]),
-    "dense_f32": ("dense", ["--no-mtp", "--outtype", "f32"]),
-    "vl_moe_f32": ("vl/moe_bf16", ["--outtype", "f32"]),
-    "vl_dense_f32": ("vl/dense", ["--outtype", "f32"]),
+    "moe_f32": ("moe_hf", ["--no-mtp", "--outtype", "f32"], "gpt-2"),
+    "moe_fused_exps_f32": ("moe_hf", ["--no-mtp", "--outtype", "f32", "--fuse-gate-up-exps"], "gpt-2"),
+    "moe_bf16": ("moe_hf", ["--no-mtp", "--outtype", "bf16"], "gpt-2"),
+    "moe_q8_0": ("moe_hf", ["--no-mtp", "--outtype", "q8_0"], "gpt-2"),
+    "dense_f32": ("dense", ["--no-mtp", "--outtype", "f32"], "gpt-2"),
+    "vl_moe_f32": ("vl/moe_bf16", ["--outtype", "f32"], "gpt-2"),
+    "vl_dense_f32": ("vl/dense", ["--outtype", "f32"], "gpt-2"),
+    "dense_qwen35_pre": ("dense", ["--no-mtp", "--outtype", "f32"], "qwen35"),
 }
 
 
@@ -129,12 +132,11 @@ def _convert_all(out: Path, converter: Path, sources: dict[str, Path]) -> None:
         copy = models / name
         shutil.copytree(source, copy)
         (copy / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
-    env = {**os.environ, "LLAMA_CPP_DIR": str(converter), "TOKPRE": "gpt-2", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": ""}
-    for name, (source, args) in CONVERSIONS.items():
-        result = subprocess.run([sys.executable, str(converter / "a3b_wrapper.py"), str(models / source), *args,
-                                 "--outfile", str(out / f"{name}.gguf")], env=env, capture_output=True, text=True,
-                                timeout=600)
+    env = {**os.environ, "LLAMA_CPP_DIR": str(converter), "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
+    for name, (source, args, pre) in CONVERSIONS.items():
+        command = [sys.executable, str(converter / "a3b_wrapper.py"), str(models / source), *args,
+                   "--outfile", str(out / f"{name}.gguf")]
+        result = subprocess.run(command, env={**env, "TOKPRE": pre}, capture_output=True, text=True, timeout=600)
         if result.returncode:
             raise RuntimeError(f"converting {source} ({' '.join(args)}) failed:\n{result.stderr[-3000:]}")
     shutil.rmtree(models)

@@ -48,7 +48,8 @@ QWEN35_LAYER = {
     **COMMON,
     "attn_norm.weight": ("input_layernorm.weight", "norm"),
     "post_attention_norm.weight": ("post_attention_layernorm.weight", "norm"),
-    "attn_q_norm.weight": ("self_attn.q_norm.weight", "norm"), "attn_k_norm.weight": ("self_attn.k_norm.weight", "norm"),
+    "attn_q_norm.weight": ("self_attn.q_norm.weight", "norm"),
+    "attn_k_norm.weight": ("self_attn.k_norm.weight", "norm"),
     "attn_qkv.weight": ("linear_attn.in_proj_qkv.weight", "v_rows"),
     "attn_gate.weight": ("linear_attn.in_proj_z.weight", "heads_rows"),
     "ssm_beta.weight": ("linear_attn.in_proj_b.weight", "head_rows"),
@@ -67,7 +68,8 @@ QWEN3VL_LAYER = {
     **COMMON,
     "attn_norm.weight": ("input_layernorm.weight", "copy"),
     "ffn_norm.weight": ("post_attention_layernorm.weight", "copy"),
-    "attn_q_norm.weight": ("self_attn.q_norm.weight", "copy"), "attn_k_norm.weight": ("self_attn.k_norm.weight", "copy"),
+    "attn_q_norm.weight": ("self_attn.q_norm.weight", "copy"),
+    "attn_k_norm.weight": ("self_attn.k_norm.weight", "copy"),
 }
 EXPERT_HALVES = ("ffn_gate_exps.weight", "ffn_up_exps.weight")  # -> mlp.experts.gate_up_proj, concatenated
 

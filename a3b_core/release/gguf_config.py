@@ -87,7 +87,8 @@ def config_from_gguf(reader: Any, where: str = "GGUF") -> dict:
         if arch == "qwen35moe":
             text["shared_expert_intermediate_size"] = key("expert_shared_feed_forward_length")
         else:
-            routed = {int(m[1]) for m in map(_BLOCK.match, tensors) if m and f"blk.{m[1]}.ffn_gate_inp.weight" in tensors}
+            routed = {int(m[1]) for m in map(_BLOCK.match, tensors)
+                      if m and f"blk.{m[1]}.ffn_gate_inp.weight" in tensors}
             text["mlp_only_layers"] = [i for i in range(layers) if i not in routed]
             if text["mlp_only_layers"] or key("feed_forward_length", None) is not None:
                 text["intermediate_size"] = key("feed_forward_length")
