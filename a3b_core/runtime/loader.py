@@ -25,6 +25,7 @@ from ..release.weights import Progress, find_prefix, load_module, move
 from . import cpu_swaps, devices
 from .adapters import LoraRequest, ModelAdapters
 from .forward import ForwardPass
+from .gguf_source import is_gguf, open_gguf
 from .generation import SharedPrefix, generate, generate_batch, prefill_prefix
 from .inputs import ChatPrompt, EncodedImages, ImageSource
 from .options import BUILT_IN_TEMPLATE, CHAT_TEMPLATES, COMPUTE_DTYPES
@@ -44,8 +45,8 @@ class LoadStats:
 
 
 def resolve_model_path(path: str | Path | None) -> Path:
-    """The model folder for `path`: the name of an embedded demo model (None: a3b-demo), else a folder path. Every
-    command and load_model name models this way."""
+    """The model folder for `path`: the name of an embedded demo model (None: a3b-demo), else a folder path, or the
+    path of a .gguf file (load_model only, so far). Every command and load_model name models this way."""
     name = DEMO_MODEL_NAME if path is None else str(path)
     if name in DEMO_MODELS:
         folder = DEMO_MODELS[name]
@@ -54,6 +55,8 @@ def resolve_model_path(path: str | Path | None) -> Path:
                               "the path of a model folder.")
         return folder
     folder = Path(name).expanduser()
+    if name.strip() and is_gguf(folder):
+        return folder
     if not name.strip() or not folder.is_dir():
         raise ConfigError(f"{folder}: model folder not found. Pass the folder that holds config.json and the "
                           f".safetensors files (for example models/LLM/Qwen3.5-35B-A3B), or the name of an "
@@ -308,17 +311,20 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
         raise ConfigError(f"chat_template {chat_template!r} is not supported; use one of: {', '.join(CHAT_TEMPLATES)} "
                           "(auto: the model folder's own template when it has one; built-in: the pack's own).")
     folder = resolve_model_path(path)
-    raw_config = read_config(folder)
-    where_config = str(folder / "config.json")
+    gguf = open_gguf(folder, with_template=chat_template == "auto") if is_gguf(folder) else None
+    raw_config = gguf.raw_config if gguf else read_config(folder)
+    where_config = str(folder) if gguf else str(folder / "config.json")
     family = family_of(raw_config, where_config)
-    ckpt = Checkpoint(folder)  # headers only: config.json's layer counts are checked against them before any use
+    # headers only: config.json's layer counts are checked against them before any use
+    ckpt = gguf.checkpoint if gguf else Checkpoint(folder)
     config = family.parse_config(raw_config, where_config, family.stored_layers(ckpt))
     ckpt.fp8_block = config.fp8_block
-    tokenizer = None
-    if (folder / "tokenizer.json").is_file():
+    tokenizer = gguf.tokenizer if gguf else None
+    if not gguf and (folder / "tokenizer.json").is_file():
         tokenizer = Tokenizer.from_folder(folder)
+    if tokenizer is not None:
         check_against_config(tokenizer, config, where_config)
-    folder_template = find_chat_template(folder) if chat_template == "auto" else None
+    folder_template = (gguf.chat_template if gguf else find_chat_template(folder)) if chat_template == "auto" else None
     device = devices.resolve_device(device)
     dtype = resolve_compute_dtype(compute_dtype, device)
     plan = make_plan(config, {n: (i.shape, i.dtype) for n, i in ckpt.infos.items()}, preset,
