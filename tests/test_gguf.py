@@ -47,6 +47,7 @@ def ggufs():
 def sources():
     qwen35, vl = build_fixtures(), build_qwen3_vl_fixtures()
     return {"moe_f32": qwen35.moe_hf, "moe_fused_exps_f32": qwen35.moe_hf, "moe_bf16": qwen35.moe_hf,
+            "moe_mtp_f32": qwen35.moe_hf,  # its MTP layer is not exposed: the trunk equals moe_hf
             "dense_f32": qwen35.dense, "vl_moe_f32": vl.moe_bf16, "vl_dense_f32": vl.dense}
 
 
@@ -67,8 +68,8 @@ def release_tensor(ckpt: GGUFCheckpoint, name: str, want: torch.Tensor) -> torch
     return got
 
 
-@pytest.mark.parametrize("name", ["moe_f32", "moe_fused_exps_f32", "moe_bf16", "dense_f32", "vl_moe_f32",
-                                  "vl_dense_f32"])
+@pytest.mark.parametrize("name", ["moe_f32", "moe_fused_exps_f32", "moe_bf16", "moe_mtp_f32", "dense_f32",
+                                  "vl_moe_f32", "vl_dense_f32"])
 def test_every_tensor_of_the_release_equals_the_gguf_checkpoints(ggufs, name, one_thread):
     release = Checkpoint(sources()[name])
     ckpt = GGUFCheckpoint(getattr(ggufs, name))
@@ -88,6 +89,13 @@ def test_every_tensor_of_the_release_equals_the_gguf_checkpoints(ggufs, name, on
     assert used == set(ckpt.infos)  # nothing left over on either side
 
 
+def test_the_mtp_layer_is_in_the_file_but_not_in_the_checkpoint(ggufs):
+    reader = gguf.GGUFReader(ggufs.moe_mtp_f32)
+    assert reader.fields["qwen35moe.block_count"].contents() == 5
+    assert any(t.name.startswith("blk.4.nextn.") for t in reader.tensors)
+    assert set(GGUFCheckpoint(ggufs.moe_mtp_f32).infos) == set(GGUFCheckpoint(ggufs.moe_f32).infos)
+
+
 def test_infos_have_the_release_layouts(ggufs):
     ckpt = GGUFCheckpoint(ggufs.moe_f32)
     layer = f"{TEXT}layers.0."
@@ -99,7 +107,7 @@ def test_infos_have_the_release_layouts(ggufs):
     assert GGUFCheckpoint(ggufs.moe_bf16).infos[TEXT + "embed_tokens.weight"].dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("name", ["moe_f32", "dense_f32", "vl_moe_f32", "vl_dense_f32"])
+@pytest.mark.parametrize("name", ["moe_f32", "moe_mtp_f32", "dense_f32", "vl_moe_f32", "vl_dense_f32"])
 def test_config_from_the_metadata_equals_the_releases(ggufs, name):
     path = getattr(ggufs, name)
     got = parse_config(config_from_gguf(gguf.GGUFReader(path), str(path)), str(path))
@@ -139,7 +147,7 @@ def test_qwen35_pre_tokenizer_matches_a_tokenizer_json_with_it(ggufs):
     assert differs_from_gpt2  # the strings tell the two regexes apart
 
 
-@pytest.mark.parametrize("name", ["moe_f32", "dense_f32", "vl_moe_f32", "vl_dense_f32"])
+@pytest.mark.parametrize("name", ["moe_f32", "moe_mtp_f32", "dense_f32", "vl_moe_f32", "vl_dense_f32"])
 def test_load_model_on_a_gguf_gives_the_folders_logits(ggufs, name, one_thread):
     ours = load_model(getattr(ggufs, name), preset="cpu", compute_dtype="float32")
     theirs = load_model(sources()[name], preset="cpu", compute_dtype="float32")

@@ -25,6 +25,9 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from tests import tiny_models as tm
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 
@@ -65,6 +68,7 @@ class GgufFixtures:
     vl_moe_f32: Path  # from tiny_qwen3_vl's moe_bf16 (Qwen3-VL-MoE in the official transposed layout)
     vl_dense_f32: Path
     dense_qwen35_pre: Path  # dense_f32 with tokenizer.ggml.pre = qwen35 (the real Qwen3.5 pre-tokenizer regex)
+    moe_mtp_f32: Path  # moe_hf plus an MTP layer (as the real releases have), converted with it (blk.4.*, nextn)
 
 
 # name -> (source fixture, converter arguments, tokenizer.ggml.pre written for the tiny vocabulary)
@@ -77,6 +81,7 @@ CONVERSIONS = {
     "vl_moe_f32": ("vl/moe_bf16", ["--outtype", "f32"], "gpt-2"),
     "vl_dense_f32": ("vl/dense", ["--outtype", "f32"], "gpt-2"),
     "dense_qwen35_pre": ("dense", ["--no-mtp", "--outtype", "f32"], "qwen35"),
+    "moe_mtp_f32": ("moe_mtp", ["--outtype", "f32"], "gpt-2"),
 }
 
 
@@ -114,11 +119,12 @@ def converter_dir(where: Path) -> Path | None:
             return None
         staging = Path(tmp) / "llama.cpp"
         with tarfile.open(sdist) as tar:
-            members = [m for m in tar.getmembers() if m.isfile()
+            members = [m for m in tar.getmembers() if m.isfile() and ".." not in Path(m.name).parts
                        and any(m.name.startswith(VENDOR + part) for part in NEEDED)]
+            safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # Python 3.10.12+ / 3.11.4+
             for member in members:
                 member.name = member.name[len(VENDOR):]
-                tar.extract(member, staging, filter="data")
+                tar.extract(member, staging, **safe)
         (staging / "a3b_wrapper.py").write_text(WRAPPER)
         where.mkdir(exist_ok=True)
         if not root.exists():
@@ -132,6 +138,7 @@ def _convert_all(out: Path, converter: Path, sources: dict[str, Path]) -> None:
         copy = models / name
         shutil.copytree(source, copy)
         (copy / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG))
+    _add_mtp_layer(models / "moe_hf", models / "moe_mtp")
     env = {**os.environ, "LLAMA_CPP_DIR": str(converter), "OMP_NUM_THREADS": "1", "PYTHONPATH": ""}
     for name, (source, args, pre) in CONVERSIONS.items():
         command = [sys.executable, str(converter / "a3b_wrapper.py"), str(models / source), *args,
@@ -140,3 +147,23 @@ def _convert_all(out: Path, converter: Path, sources: dict[str, Path]) -> None:
         if result.returncode:
             raise RuntimeError(f"converting {source} ({' '.join(args)}) failed:\n{result.stderr[-3000:]}")
     shutil.rmtree(models)
+
+
+def _add_mtp_layer(source: Path, out: Path) -> None:
+    """A copy of a Qwen3.5-MoE fixture with an MTP block as the releases have it (mtp.fc, three norms and one
+    full-attention MoE layer, here a copy of the last decoder layer) and mtp_num_hidden_layers = 1."""
+    shutil.copytree(source, out)
+    tensors = load_file(out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    text = config["text_config"]
+    last, hidden = text["num_hidden_layers"] - 1, text["hidden_size"]
+    layer = f"model.language_model.layers.{last}."
+    generator = torch.Generator().manual_seed(5)
+    tensors |= {"mtp.layers.0." + name[len(layer):]: value.clone() for name, value in tensors.items()
+                if name.startswith(layer)}
+    tensors["mtp.fc.weight"] = torch.randn(hidden, 2 * hidden, generator=generator) * 0.02
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        tensors[f"mtp.{norm}.weight"] = torch.randn(hidden, generator=generator) * 0.1
+    save_file(tensors, out / "model.safetensors")
+    text["mtp_num_hidden_layers"] = 1
+    (out / "config.json").write_text(json.dumps(config))
