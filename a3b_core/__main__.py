@@ -15,6 +15,7 @@ from .errors import A3BError, AdapterError, ImageError
 from .models import family_for, load_config
 from .release.adapters import adapter_files
 from .release.safetensors import Checkpoint
+from .runtime.gguf_source import gguf_headers, is_gguf
 from .runtime.loader import DEMO_MODEL_NAME, DEMO_MODELS, load_model, resolve_model_path
 from .runtime.options import (DENSE_FORMATS, DEVICE_CHOICES, KV_FORMATS, PRESET_NAMES, RESIZE_MODES, WEIGHT_FORMATS,
                               GenerationOptions, LoadOptions, parse_lora)
@@ -109,9 +110,11 @@ def cmd_caption_folder(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     folder = resolve_model_path(args.model)
-    config = load_config(folder)
+    if is_gguf(folder):
+        config, ckpt = gguf_headers(folder)
+    else:
+        config, ckpt = load_config(folder), Checkpoint(folder)
     family = family_for(config.model_type)
-    ckpt = Checkpoint(folder)
     lines = [f"model: {folder}", f"family: {family.name}", *family.describe(config)]
     if config.quantization:
         lines.append(f"quantization_config: {json.dumps(config.quantization)}")

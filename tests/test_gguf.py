@@ -158,6 +158,15 @@ def test_load_model_on_a_gguf_gives_the_folders_logits(ggufs, name, one_thread):
     assert ours.chat_template_in_use == "model folder: GGUF tokenizer.chat_template"
 
 
+def test_plan_and_inspect_read_a_gguf(ggufs, capsys):
+    from a3b_core.__main__ import main
+    assert main(["inspect", str(ggufs.moe_mtp_f32)]) == 0
+    out = capsys.readouterr().out
+    assert "qwen3_5_moe, 4 layers" in out and "expert layout: fused [E, 2I, H]" in out and "72 in 1 files" in out
+    assert main(["plan", str(ggufs.vl_moe_f32), "--preset", "cpu"]) == 0
+    assert "routed_experts_cpu" in capsys.readouterr().out
+
+
 # ------------------------------------------------------------------------------------------------ bad files
 def gguf_bytes(arch: str = "qwen3vl", tensors=(("token_embd.weight", (8, 2), 0, 0),), version: int = 3,
                data_bytes: int | None = None) -> bytes:

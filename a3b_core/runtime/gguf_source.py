@@ -5,9 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..models import parse_config
 from ..prompting.folder_template import FolderTemplate
 from ..prompting.gguf_tokenizer import tokenizer_from_gguf
 from ..prompting.tokenizer import Tokenizer
+from ..release.config import ModelConfig
 from ..release.gguf import GGUFCheckpoint, metadata
 from ..release.gguf_config import config_from_gguf
 
@@ -34,3 +36,9 @@ def open_gguf(path: Path, with_template: bool) -> GGUFSource:
     source = metadata(checkpoint.reader, TEMPLATE_KEY) if with_template else None
     template = FolderTemplate(source, path, f"GGUF {TEMPLATE_KEY}") if isinstance(source, str) else None
     return GGUFSource(checkpoint, raw_config, tokenizer, template)
+
+
+def gguf_headers(path: Path) -> tuple[ModelConfig, GGUFCheckpoint]:
+    """The parsed config and the checkpoint of a .gguf file, for `plan` and `inspect` (no tensor data is read)."""
+    checkpoint = GGUFCheckpoint(path)
+    return parse_config(config_from_gguf(checkpoint.reader, str(path)), str(path)), checkpoint

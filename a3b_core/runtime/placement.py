@@ -41,6 +41,7 @@ from ..models import family_for, load_config
 from ..release.config import ModelConfig
 from ..release.safetensors import FP8_DTYPES, Checkpoint
 from ..release.weights import stays_fp32
+from .gguf_source import gguf_headers, is_gguf
 from .options import PRESET_NAMES
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -566,7 +567,10 @@ def _fixes(planner: _Planner, short: _NoFit, preset: str, gpu_budget: int, cpu_b
 
 
 def plan_for_folder(folder: str | Path, preset: str = "auto", **kw) -> Plan:
-    """Plans a model folder from its config.json and safetensors headers; no tensor data is read."""
-    config = load_config(folder)
-    ckpt = Checkpoint(folder)
+    """Plans a model folder from its config.json and safetensors headers (a .gguf file from its header); no tensor
+    data is read."""
+    if is_gguf(Path(folder)):
+        config, ckpt = gguf_headers(Path(folder))
+    else:
+        config, ckpt = load_config(folder), Checkpoint(folder)
     return make_plan(config, {name: (info.shape, info.dtype) for name, info in ckpt.infos.items()}, preset, **kw)
