@@ -207,7 +207,7 @@ def test_bad_files_are_refused_by_name(tmp_path, blob, message):
 
 
 def test_a_block_type_is_refused_naming_tensor_and_type(ggufs):
-    with pytest.raises(CheckpointError, match=r"tensor '[\w.]+' is stored as Q8_0.*come next"):
+    with pytest.raises(CheckpointError, match=r"tensor '[\w.]+' is stored as Q8_0.*not the quantized block types"):
         GGUFCheckpoint(ggufs.moe_q8_0)
     with pytest.raises(A3BError, match="Q8_0"):
         load_model(ggufs.moe_q8_0, preset="cpu", compute_dtype="float32")

@@ -13,7 +13,7 @@ What the converter does, and what is undone here (GGUF -> HF), per architecture:
 - qwen3vlmoe / qwen3vl: only names (Qwen3-VL's transposed expert release is written as [E, I, H] / [E, H, I]).
 - MTP layers (blk.N.* past block_count - nextn_predict_layers) are not exposed: the engine does not use them.
 
-This slice reads the float types F32, F16 and BF16; the quantized block types (Q8_0, Q4_K, ...) are refused by name.
+The float types F32, F16 and BF16 are read; the quantized block types (Q8_0, Q4_K, ...) are refused by name.
 """
 from __future__ import annotations
 
@@ -138,9 +138,9 @@ class GGUFCheckpoint:
         for record in records:
             if record.type_name not in FLOAT_TYPES:
                 raise CheckpointError(
-                    f"{self.path}: tensor '{record.name}' is stored as {record.type_name}; this version reads GGUF "
-                    f"tensors of the float types {', '.join(FLOAT_TYPES)} only (the quantized block types Q8_0, "
-                    "Q4_K, ... come next). Use an F16, BF16 or F32 GGUF, or the model's safetensors release.")
+                    f"{self.path}: tensor '{record.name}' is stored as {record.type_name}; GGUF tensors are read in the "
+                    f"float types {', '.join(FLOAT_TYPES)} only (not the quantized block types Q8_0, Q4_K, ...). "
+                    "Use an F16, BF16 or F32 GGUF, or the model's safetensors release.")
         self.heads = self._linear_heads() if self.architecture.startswith("qwen35") else None
         self.infos: dict[str, GGUFTensorInfo] = self._map(records)
         self._map_file: mmap.mmap | None = None

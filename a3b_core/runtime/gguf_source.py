@@ -1,5 +1,5 @@
 """A .gguf file as load_model's source: the checkpoint (tensors under the release's names), the config.json-like
-object, the tokenizer and the chat template, all from the one file (nothing beside it is read in this version)."""
+object, the tokenizer and the chat template, all from the one file (nothing beside it is read)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

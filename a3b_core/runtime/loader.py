@@ -46,7 +46,7 @@ class LoadStats:
 
 def resolve_model_path(path: str | Path | None) -> Path:
     """The model folder for `path`: the name of an embedded demo model (None: a3b-demo), else a folder path, or the
-    path of a .gguf file (load_model only, so far). Every command and load_model name models this way."""
+    path of a .gguf file. Every command and load_model name models this way."""
     name = DEMO_MODEL_NAME if path is None else str(path)
     if name in DEMO_MODELS:
         folder = DEMO_MODELS[name]
