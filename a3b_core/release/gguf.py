@@ -17,7 +17,6 @@ The float types F32, F16 and BF16 are read; the quantized block types (Q8_0, Q4_
 """
 from __future__ import annotations
 
-import bisect
 import mmap
 import re
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import torch
 
 from ..errors import CheckpointError
 from .gguf_file import TensorRecord, check_gguf_file
+from .safetensors import drop_pages, names_under
 
 FLOAT_TYPES: dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 ARCHITECTURES = ("qwen35moe", "qwen35", "qwen3vlmoe", "qwen3vl")
@@ -279,18 +279,12 @@ class GGUFCheckpoint:
         if self._map_file is None:
             return
         for record in self.infos[name].sources:
-            start = -(-record.offset // mmap.PAGESIZE) * mmap.PAGESIZE
-            end = (record.offset + record.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-            if end > start:
-                self._map_file.madvise(mmap.MADV_DONTNEED, start, end - start)
+            drop_pages(self._map_file, record.offset, record.nbytes)
 
     def release_under(self, prefix: str) -> None:
         """release() for every tensor whose name starts with `prefix`."""
-        names = self._sorted_names or sorted(self.infos)
-        self._sorted_names = names
-        for name in names[bisect.bisect_left(names, prefix):]:
-            if not name.startswith(prefix):
-                break
+        self._sorted_names = self._sorted_names or sorted(self.infos)
+        for name in names_under(self._sorted_names, prefix):
             self.release(name)
 
     def close(self) -> None:

@@ -103,6 +103,24 @@ def _tensor_info(path: Path, name: str, entry: object, data_start: int, data_len
     return TensorInfo(name, path, dtype, tuple(shape), data_start + begin, nbytes)
 
 
+def drop_pages(mm: mmap.mmap, offset: int, nbytes: int) -> None:
+    """Drops the mapped pages wholly inside [offset, offset + nbytes): a copied-out tensor's source (they are read
+    again if it is used again)."""
+    start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (offset + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > start:
+        mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
+def names_under(sorted_names: list[str], prefix: str) -> list[str]:
+    """The names of a sorted list that start with `prefix`."""
+    first = bisect.bisect_left(sorted_names, prefix)
+    last = first
+    while last < len(sorted_names) and sorted_names[last].startswith(prefix):
+        last += 1
+    return sorted_names[first:last]
+
+
 def find_weight_files(folder: Path) -> list[Path]:
     """The safetensors files of a model folder, from the index when there is one."""
     index = folder / INDEX_NAME
@@ -201,20 +219,13 @@ class Checkpoint:
         and its converted copy in memory together (the pages are read again if the tensor is used again)."""
         info = self.infos[name]
         mm = self._maps.get(info.file)
-        if mm is None or info.nbytes < mmap.PAGESIZE:
-            return
-        start = -(-info.offset // mmap.PAGESIZE) * mmap.PAGESIZE  # whole pages inside the tensor only
-        end = (info.offset + info.nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
-        if end > start:
-            mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+        if mm is not None:
+            drop_pages(mm, info.offset, info.nbytes)
 
     def release_under(self, prefix: str) -> None:
         """release() for every tensor whose name starts with `prefix`."""
-        names = self._sorted_names or sorted(self.infos)
-        self._sorted_names = names
-        for name in names[bisect.bisect_left(names, prefix):]:
-            if not name.startswith(prefix):
-                break
+        self._sorted_names = self._sorted_names or sorted(self.infos)
+        for name in names_under(self._sorted_names, prefix):
             self.release(name)
 
     def _fp8_scale(self, name: str) -> torch.Tensor:
