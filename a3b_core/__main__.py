@@ -12,10 +12,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from .errors import A3BError, AdapterError, ImageError
-from .models import family_for, load_config
+from .models import family_for
 from .release.adapters import adapter_files
-from .release.safetensors import Checkpoint
-from .runtime.gguf_source import gguf_headers, is_gguf
+from .runtime.gguf_source import model_headers
 from .runtime.loader import DEMO_MODEL_NAME, DEMO_MODELS, load_model, resolve_model_path
 from .runtime.options import (DENSE_FORMATS, DEVICE_CHOICES, KV_FORMATS, PRESET_NAMES, RESIZE_MODES, WEIGHT_FORMATS,
                               GenerationOptions, LoadOptions, parse_lora)
@@ -110,10 +109,7 @@ def cmd_caption_folder(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     folder = resolve_model_path(args.model)
-    if is_gguf(folder):
-        config, ckpt = gguf_headers(folder)
-    else:
-        config, ckpt = load_config(folder), Checkpoint(folder)
+    config, ckpt = model_headers(folder)
     family = family_for(config.model_type)
     lines = [f"model: {folder}", f"family: {family.name}", *family.describe(config)]
     if config.quantization:

@@ -240,8 +240,7 @@ class ModelAdapters:
     def replacement(self, adapter: Adapter, name: str, rel: str, weight: torch.Tensor) -> nn.Module:
         """The module that takes the place of lm_head / embed_tokens, holding the adapter's weight."""
         base = self.trees["text"].get_submodule(rel)
-        shape = (base.num_embeddings, base.embedding_dim) if isinstance(base, nn.Embedding) else \
-            (base.out_features, base.in_features)
+        shape = (base.num_embeddings, base.embedding_dim) if isinstance(base, nn.Embedding) else matrix_shape(base)
         if tuple(weight.shape) != shape:
             raise AdapterError(f"{adapter.path}: replaces '{name}' with a {list(weight.shape)} weight, but "
                                f"{self.model_name}'s is {list(shape)}. The adapter belongs to another model (or "

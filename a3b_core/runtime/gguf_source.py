@@ -5,13 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..models import parse_config
+from ..models import load_config, parse_config
 from ..prompting.folder_template import FolderTemplate
 from ..prompting.gguf_tokenizer import tokenizer_from_gguf
 from ..prompting.tokenizer import Tokenizer
 from ..release.config import ModelConfig
 from ..release.gguf import GGUFCheckpoint, metadata
 from ..release.gguf_config import config_from_gguf
+from ..release.safetensors import Checkpoint
 
 TEMPLATE_KEY = "tokenizer.chat_template"
 
@@ -38,7 +39,10 @@ def open_gguf(path: Path, with_template: bool) -> GGUFSource:
     return GGUFSource(checkpoint, raw_config, tokenizer, template)
 
 
-def gguf_headers(path: Path) -> tuple[ModelConfig, GGUFCheckpoint]:
-    """The parsed config and the checkpoint of a .gguf file, for `plan` and `inspect` (no tensor data is read)."""
+def model_headers(path: Path) -> tuple[ModelConfig, GGUFCheckpoint | Checkpoint]:
+    """The parsed config and the checkpoint of a model folder or a .gguf file, for `plan` and `inspect` (no tensor
+    data is read)."""
+    if not is_gguf(path):
+        return load_config(path), Checkpoint(path)
     checkpoint = GGUFCheckpoint(path)
     return parse_config(config_from_gguf(checkpoint.reader, str(path)), str(path)), checkpoint

@@ -37,11 +37,11 @@ from ..errors import PlacementError
 from ..formats.dense import is_quantised_dense
 from ..formats.table import (BF16, DENSE_FORMATS, FLOAT_FORMATS, FP8, FP32, INT4, INT8, KV_FORMATS, WEIGHT_FORMATS,
                             format_named)
-from ..models import family_for, load_config
+from ..models import family_for
 from ..release.config import ModelConfig
-from ..release.safetensors import FP8_DTYPES, Checkpoint
+from ..release.safetensors import FP8_DTYPES
 from ..release.weights import stays_fp32
-from .gguf_source import gguf_headers, is_gguf
+from .gguf_source import model_headers
 from .options import PRESET_NAMES
 
 MiB, GiB = 1 << 20, 1 << 30
@@ -569,8 +569,5 @@ def _fixes(planner: _Planner, short: _NoFit, preset: str, gpu_budget: int, cpu_b
 def plan_for_folder(folder: str | Path, preset: str = "auto", **kw) -> Plan:
     """Plans a model folder from its config.json and safetensors headers (a .gguf file from its header); no tensor
     data is read."""
-    if is_gguf(Path(folder)):
-        config, ckpt = gguf_headers(Path(folder))
-    else:
-        config, ckpt = load_config(folder), Checkpoint(folder)
+    config, ckpt = model_headers(Path(folder))
     return make_plan(config, {name: (info.shape, info.dtype) for name, info in ckpt.infos.items()}, preset, **kw)
