@@ -40,7 +40,8 @@ class A3BModelLoader(io.ComfyNode):
                                        "system RAM when needed; 'cpu' runs everything on the CPU."),
                 io.Combo.Input("weight_format", options=list(WEIGHT_FORMATS), default="auto",
                                tooltip="How the routed experts kept in system RAM are held. 'auto': int8 (int4 when "
-                                       "RAM is short); fp8 keeps the official FP8 release's experts as released; "
+                                       "RAM is short; a quantized GGUF's own blocks); fp8 keeps the official FP8 "
+                                       "release's experts as released, gguf a GGUF file's Q4_K/Q8_0/... blocks; "
                                        "int8/int4 trade some accuracy for less memory; bf16/fp32 are exact."),
                 io.Combo.Input("kv_cache", options=list(KV_FORMATS), default="auto",
                                tooltip="Format of the attention cache. 'auto': the compute dtype (bf16). int8 halves "

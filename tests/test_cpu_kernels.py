@@ -236,7 +236,7 @@ def test_every_fp8_code_reads_as_torchs_e4m3(one_thread):
         for e in range(EXPERTS):
             order = torch.randperm(out * inp, generator=torch.Generator().manual_seed(e)) % len(codes)
             q = codes[order].view(torch.float8_e4m3fn).view(out, inp)
-            stack.set_fp8(e, q, torch.full(stack.scale.shape[1:], 2.0 ** -8))
+            stack.set_released(e, q, torch.full(stack.scale.shape[1:], 2.0 ** -8))
     x, top_i, top_p = routing(3)
     got = KernelExperts(store, compiled_kernels()).routed_step(x, top_i, top_p)
     assert relative_error(got, fp64_step(store, x, top_i, top_p)) < EXACT_BOUND

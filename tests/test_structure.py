@@ -14,7 +14,7 @@ PACKAGE = ROOT / "a3b_core"
 LAYERS = (("a3b_core", "a3b_core.__main__", "a3b_core.services"), ("a3b_core.runtime",), ("a3b_core.prompting",),
           ("a3b_core.media",), ("a3b_core.models",), ("a3b_core.formats",), ("a3b_core.kernels",),
           ("a3b_core.release",), ("a3b_core.errors",))
-FORMAT_NAMES = ("fp32", "bf16", "fp16", "fp8", "int8", "int4")
+FORMAT_NAMES = ("fp32", "bf16", "fp16", "fp8", "int8", "int4", "gguf")
 FORMAT_TABLE = PACKAGE / "formats" / "table.py"
 
 

@@ -45,6 +45,12 @@ class Fp8Blocks:
         q[e, rows].copy_(wq)
         scale[e, rows.start // FP8_BLOCK:-(-rows.stop // FP8_BLOCK)].copy_(wscale)
 
+    def set_released(self, q: torch.Tensor, scale: torch.Tensor, e: int, wq: torch.Tensor,
+                     scale_inv: torch.Tensor) -> None:
+        """Stores an FP8 matrix as released (no requantization)."""
+        q[e].copy_(wq)
+        scale[e].copy_(scale_inv.float())
+
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_fp8(q[e], scale[e], block=(FP8_BLOCK, FP8_BLOCK), dtype=dtype)
 

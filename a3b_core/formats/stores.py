@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import torch
@@ -46,12 +46,15 @@ class QuantizedStack(nn.Module):
     """E matrices [E, out, in] in a quantized format, stored as its layout says (formats/int8.py, int4.py, fp8.py)
     in the buffers `q` and `scale`; `matmul(e, x)` = x @ W_e^T."""
 
-    def __init__(self, fmt: str, shape: tuple[int, int, int], device: torch.device | str = "cpu"):
+    def __init__(self, fmt: str, shape: tuple[int, int, int], device: torch.device | str = "cpu",
+                 stored: tuple = ()):
+        """`stored`: what a format kept as released needs to know of the checkpoint's layout (GGUF: the block types
+        of its parts, formats/gguf.py)."""
         super().__init__()
         self.fmt, self.shape = format_named(fmt), shape
         if not self.fmt.quantized:
             raise ValueError(f"{fmt!r} is no quantized format")
-        self.layout = self.fmt.layout(shape)
+        self.layout = self.fmt.layout(shape, *stored)
         q, scale = self.layout.empty(device)
         self.q, self.scale = nn.Buffer(q), nn.Buffer(scale)
 
@@ -64,10 +67,9 @@ class QuantizedStack(nn.Module):
                              f"multiples of {SET_ROWS_MULTIPLE} rows (or at the matrix's end)")
         self.layout.set(self.q, self.scale, e, rows, w)
 
-    def set_fp8(self, e: int, q: torch.Tensor, scale_inv: torch.Tensor) -> None:
-        """Stores an FP8 matrix as released (no requantization)."""
-        self.q[e].copy_(q)
-        self.scale[e].copy_(scale_inv.float())
+    def set_released(self, e: int, *stored: object) -> None:
+        """Stores a matrix as released (no requantization): FP8 (e4m3 matrix, block scales), GGUF (its parts)."""
+        self.layout.set_released(self.q, self.scale, e, *stored)
 
     def dequantize(self, e: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Expert e's matrix [out, in] in `dtype` (fp32 products rounded to it once)."""
@@ -83,11 +85,14 @@ class QuantizedStack(nn.Module):
 
 
 class QuantizedExperts(nn.Module):
-    def __init__(self, fmt: str, num_experts: int, hidden: int, inter: int, device: torch.device | str = "cpu"):
+    def __init__(self, fmt: str, num_experts: int, hidden: int, inter: int, device: torch.device | str = "cpu",
+                 stored: Mapping[str, tuple] | None = None):
+        """`stored`: QuantizedStack's, per stack (gate_up_proj, down_proj)."""
         super().__init__()
         self.fmt = format_named(fmt)
-        self.gate_up_proj = QuantizedStack(fmt, (num_experts, 2 * inter, hidden), device)
-        self.down_proj = QuantizedStack(fmt, (num_experts, hidden, inter), device)
+        stored = stored or {}
+        self.gate_up_proj = QuantizedStack(fmt, (num_experts, 2 * inter, hidden), device, stored.get("gate_up_proj", ()))
+        self.down_proj = QuantizedStack(fmt, (num_experts, hidden, inter), device, stored.get("down_proj", ()))
 
     @property
     def device(self) -> torch.device:
@@ -101,13 +106,15 @@ class QuantizedExperts(nn.Module):
 
 
 ExpertMatrix = Callable[[str, int], torch.Tensor]  # (which, expert) -> fp32 [out, in]; which: gate_up_proj / down_proj
-ReleasedFp8 = Callable[[str, int], "tuple[torch.Tensor, torch.Tensor] | None"]  # -> (e4m3 matrix, block scales)
+Released = Callable[[str, int], "tuple | None"]  # (which, expert) -> QuantizedStack.set_released's arguments
 
 
-def convert_experts(fmt: str, shape: tuple[int, int, int], matrix: ExpertMatrix, released_fp8: ReleasedFp8,
-                    device: torch.device, cache_file: Path | None, release: Callable[[], None]) -> QuantizedExperts:
+def convert_experts(fmt: str, shape: tuple[int, int, int], matrix: ExpertMatrix, released: Released,
+                    device: torch.device, cache_file: Path | None, release: Callable[[], None],
+                    stored: Mapping[str, tuple] | None = None) -> QuantizedExperts:
     """One layer's routed experts (num_experts, hidden, intermediate) in `fmt`, on the CPU, to be computed on
-    `device`. A format kept as released takes the released matrices where `released_fp8` has them; a converted one
+    `device` (`stored`: QuantizedExperts'). A format kept as released takes the released matrices where `released`
+    has them; a converted one
     comes from `cache_file` when it holds it, else it is converted one expert at a time from `matrix` and written to
     it (a cache that cannot be written only costs the next load a conversion). `release()` then drops the
     checkpoint's pages: the converted copy is all that stays."""
@@ -115,7 +122,7 @@ def convert_experts(fmt: str, shape: tuple[int, int, int], matrix: ExpertMatrix,
     if fmt.cpu_only and device.type != "cpu":
         raise PlacementError(f"{fmt} routed experts can only be computed by the CPU (its {fmt} kernels), not on "
                              f"{device}; keep them in RAM, or put fp8/bf16 experts on the GPU.")
-    experts = QuantizedExperts(fmt, *shape, "cpu")
+    experts = QuantizedExperts(fmt, *shape, "cpu", stored)
     state = experts.state_dict()
     cached = read_cache(cache_file) if fmt.converted else {}
     if cached.keys() == state.keys() and all(cached[k].shape == state[k].shape for k in state):
@@ -123,9 +130,9 @@ def convert_experts(fmt: str, shape: tuple[int, int, int], matrix: ExpertMatrix,
         return experts
     for which, stack in (("gate_up_proj", experts.gate_up_proj), ("down_proj", experts.down_proj)):
         for e in range(shape[0]):
-            stored = released_fp8(which, e) if fmt.as_released else None
-            if stored is not None:
-                stack.set_fp8(e, *stored)
+            kept = released(which, e) if fmt.as_released else None
+            if kept is not None:
+                stack.set_released(e, *kept)
             else:
                 stack.set(e, matrix(which, e))
     release()

@@ -13,16 +13,17 @@ import torch
 from ..errors import GenerationError
 from ..kernels import arrays
 from .fp8 import Fp8Blocks
+from .gguf import GgufBlocks
 from .int4 import Int4Groups
 from .int8 import Int8Rows
 
-Layout = type[Int8Rows] | type[Int4Groups] | type[Fp8Blocks]
+Layout = type[Int8Rows] | type[Int4Groups] | type[Fp8Blocks] | type[GgufBlocks]
 
 
 class WeightFormat(str):
     """A weight format: its name, and its facts as keyword arguments (see the module docstring)."""
     dtype: torch.dtype | None  # a float format's dtype; None for a quantized one
-    layout: Layout | None  # a quantized format's storage (formats/int8.py, int4.py, fp8.py); None for a float one
+    layout: Layout | None  # a quantized format's storage (formats/int8.py, int4.py, fp8.py, gguf.py); None for floats
     kernel_code: int | None  # how the numba kernels know its layout (kernels/arrays.py); None: they do not read it
     converted: bool  # quantized from the checkpoint's floats at load and cached on disk (weight-only, per row/group)
     as_released: bool  # kept as the checkpoint stores it, its block scales too (tensors stored unquantized: bf16)
@@ -57,12 +58,13 @@ FP16 = WeightFormat("fp16", dtype=torch.float16)
 FP8 = WeightFormat("fp8", layout=Fp8Blocks, kernel_code=arrays.FP8, as_released=True)
 INT8 = WeightFormat("int8", layout=Int8Rows, kernel_code=arrays.INT8, converted=True)
 INT4 = WeightFormat("int4", layout=Int4Groups, kernel_code=arrays.INT4, converted=True, cpu_only=True)
-FORMATS: dict[str, WeightFormat] = {fmt: fmt for fmt in (FP32, BF16, FP16, FP8, INT8, INT4)}
+GGUF = WeightFormat("gguf", layout=GgufBlocks, as_released=True, cpu_only=True)  # a GGUF file's block types
+FORMATS: dict[str, WeightFormat] = {fmt: fmt for fmt in (FP32, BF16, FP16, FP8, INT8, INT4, GGUF)}
 
 FLOAT_FORMATS = {fmt: fmt.dtype for fmt in FORMATS.values() if fmt.dtype is not None}  # how float weights are held
 FORMAT_OF_DTYPE = {dtype: fmt for fmt, dtype in FLOAT_FORMATS.items()}
 CONVERTED_FORMATS = tuple(fmt for fmt in FORMATS.values() if fmt.converted)
-WEIGHT_FORMATS = ("auto", FP8, INT8, INT4, BF16, FP32)  # what routed experts in RAM may be held in
+WEIGHT_FORMATS = ("auto", FP8, INT8, INT4, BF16, FP32, GGUF)  # what routed experts in RAM may be held in
 # how the text model's dense matrices on the CPU are held; "auto": the compute dtype (FP8 as released where the plan
 # keeps it on a GPU), int8/int4: weight-only, as the routed experts' stores (formats/dense.py)
 DENSE_FORMATS = ("auto", *CONVERTED_FORMATS)

@@ -14,8 +14,9 @@ from torch import nn
 
 from ..errors import CheckpointError
 from ..formats.fp8 import FP8_BLOCK, Fp8Linear
+from ..formats.gguf import GgufBlocks
 from ..formats.stores import QuantizedExperts, convert_experts
-from ..formats.table import FLOAT_FORMATS, FORMAT_OF_DTYPE
+from ..formats.table import FLOAT_FORMATS, FORMAT_OF_DTYPE, format_named
 from ..release.config import ModelConfig, StoredLayers
 from ..release.safetensors import FP8_DTYPES, Checkpoint
 from ..release.weights import Progress, check_shape, checked, find_prefix, load_module, move, prefix_of
@@ -151,7 +152,8 @@ def expert_matrix(ckpt: Checkpoint, base: str, cfg: Any, which: str, j: int) -> 
 def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: Any, fmt: str, device: torch.device,
                            cache_file: Path | None) -> QuantizedExperts:
     """One layer's routed experts (checkpoint names under `base`) in a quantized format, as formats/stores.py makes
-    them: the released FP8 matrices where the format is fp8 and the blocks line up, else each expert's matrix."""
+    them: the released FP8 matrices where the format is fp8 and the blocks line up, a GGUF's blocks where the format
+    is gguf, else each expert's matrix."""
 
     def released_fp8(which: str, e: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         fused = base + which
@@ -167,9 +169,17 @@ def load_quantized_experts(ckpt: Checkpoint, base: str, cfg: Any, fmt: str, devi
         # gate and up stacked: their scale blocks line up, the intermediate size being a multiple of the block
         return torch.cat([ckpt.raw(n) for n in names]), torch.cat([ckpt.raw(n + "_scale_inv").float() for n in names])
 
+    def released_blocks(which: str, e: int) -> tuple | None:
+        return ckpt.blocks_at(base + which, e)
+
+    stored = None
+    if format_named(fmt).layout is GgufBlocks:  # a GGUF's experts as stored: the block types of each matrix's parts
+        stored = {which: (tuple((t, b.shape[0]) for t, b in released_blocks(which, 0)),)
+                  for which in ("gate_up_proj", "down_proj")}
     experts = convert_experts(fmt, (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size),
-                              lambda which, e: expert_matrix(ckpt, base, cfg, which, e), released_fp8, device,
-                              cache_file, lambda: ckpt.release_under(base))
+                              lambda which, e: expert_matrix(ckpt, base, cfg, which, e),
+                              released_fp8 if stored is None else released_blocks, device, cache_file,
+                              lambda: ckpt.release_under(base), stored)
     return move(experts, device)
 
 

@@ -13,7 +13,10 @@ What the converter does, and what is undone here (GGUF -> HF), per architecture:
 - qwen3vlmoe / qwen3vl: only names (Qwen3-VL's transposed expert release is written as [E, I, H] / [E, H, I]).
 - MTP layers (blk.N.* past block_count - nextn_predict_layers) are not exposed: the engine does not use them.
 
-The float types F32, F16 and BF16 are read; the quantized block types (Q8_0, Q4_K, ...) are refused by name.
+Tensors are read in the float types F32, F16 and BF16 and in the block types of gguf_file.READ_BLOCK_TYPES (Q8_0,
+Q4_K, Q6_K, ...): a block-quantized tensor's TensorInfo.dtype is its gguf_file.BlockType, `blocks_at` gives a routed
+expert's matrices as their blocks (the engine computes them from those), and everything else is dequantized when
+read (by gguf-py, llama.cpp's own reference). Other types (the I-quants, ...) are refused by name.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError
-from .gguf_file import TensorRecord, check_gguf_file
+from .gguf_file import BLOCK_TYPES, BlockType, TensorRecord, check_gguf_file
 from .safetensors import drop_pages, names_under
 
 FLOAT_TYPES: dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -76,10 +79,11 @@ EXPERT_HALVES = ("ffn_gate_exps.weight", "ffn_up_exps.weight")  # -> mlp.experts
 
 @dataclass(frozen=True)
 class GGUFTensorInfo:
-    """One HF tensor of a GGUF checkpoint: its shape and dtype as the release has them, and where it comes from."""
+    """One HF tensor of a GGUF checkpoint: its shape as the release has it, its dtype (a torch dtype, or the
+    BlockType of a matrix kept in its blocks), and where it comes from."""
     name: str
     file: Path
-    dtype: torch.dtype
+    dtype: torch.dtype | BlockType
     shape: tuple[int, ...]
     nbytes: int
     sources: tuple[TensorRecord, ...]  # the GGUF tensors it is made of
@@ -136,11 +140,11 @@ class GGUFCheckpoint:
                                   f"reads {', '.join(ARCHITECTURES)} (Qwen3.5/3.6 and Qwen3-VL, as llama.cpp's "
                                   f"convert_hf_to_gguf.py writes them).{hint}")
         for record in records:
-            if record.type_name not in FLOAT_TYPES:
+            if record.type_name not in FLOAT_TYPES and record.type_name not in BLOCK_TYPES:
                 raise CheckpointError(
-                    f"{self.path}: tensor '{record.name}' is stored as {record.type_name}; GGUF tensors are read in the "
-                    f"float types {', '.join(FLOAT_TYPES)} only (not the quantized block types Q8_0, Q4_K, ...). "
-                    "Use an F16, BF16 or F32 GGUF, or the model's safetensors release.")
+                    f"{self.path}: tensor '{record.name}' is stored as {record.type_name}, which this pack does not "
+                    f"read; GGUF tensors are read in {', '.join([*FLOAT_TYPES, *BLOCK_TYPES])}. Use a GGUF of one of "
+                    "those (Q4_K_M, Q5_K_M, Q6_K, Q8_0, F16, ...), or the model's safetensors release.")
         self.heads = self._linear_heads() if self.architecture.startswith("qwen35") else None
         self.infos: dict[str, GGUFTensorInfo] = self._map(records)
         self._map_file: mmap.mmap | None = None
@@ -214,8 +218,15 @@ class GGUFCheckpoint:
             shape = (shape[0], 1, shape[-1])
         elif op == "row":
             shape = (1, shape[-1])
-        dtypes = {FLOAT_TYPES[r.type_name] for r in sources}
-        dtype = torch.float32 if op in ("norm", "a_log") or len(dtypes) > 1 else dtypes.pop()
+        dtypes = {FLOAT_TYPES.get(r.type_name) or BLOCK_TYPES[r.type_name] for r in sources}
+        blocks = [d for d in dtypes if isinstance(d, BlockType)]
+        if op in ("copy", "cat") and len(blocks) == len(dtypes):
+            # kept in blocks; gate and up halves of different types count as the first's in the planner's estimate
+            dtype = BLOCK_TYPES[sources[0].type_name]
+        elif op in ("norm", "a_log") or len(dtypes) > 1 or blocks:
+            dtype = torch.float32  # changed by the converter, or mixed: read as fp32
+        else:
+            dtype = dtypes.pop()
         self._check_heads(name, shape, op)
         return GGUFTensorInfo(name, self.path, dtype, shape, sum(r.nbytes for r in sources), sources, op)
 
@@ -238,12 +249,27 @@ class GGUFCheckpoint:
         return name in self.infos
 
     def _stored(self, record: TensorRecord) -> torch.Tensor:
-        """A GGUF tensor as stored, in torch order, viewing the memory-mapped file (copy-on-write)."""
+        """A GGUF tensor as stored, in torch order, viewing the memory-mapped file (copy-on-write): a float tensor, or
+        a block-quantized one's bytes [..., rows, bytes per row]."""
         if self._map_file is None:
             with open(self.path, "rb") as f:
                 self._map_file = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         flat = torch.frombuffer(self._map_file, dtype=torch.uint8, count=record.nbytes, offset=record.offset)
-        return flat.view(FLOAT_TYPES[record.type_name]).view(tuple(reversed(record.ne)))
+        shape = tuple(reversed(record.ne))
+        block_type = BLOCK_TYPES.get(record.type_name)
+        if block_type is not None:
+            return flat.view(*shape[:-1], block_type.row_bytes(shape[-1]))
+        return flat.view(FLOAT_TYPES[record.type_name]).view(shape)
+
+    def _float(self, record: TensorRecord, index: int | None = None) -> torch.Tensor:
+        """A GGUF tensor (or its matrix `index`) in a float dtype: as stored, or dequantized to fp32."""
+        stored = self._stored(record)
+        stored = stored if index is None else stored[index]
+        if record.type_name in FLOAT_TYPES:
+            return stored
+        import gguf  # llama.cpp's reference dequantization
+        values = gguf.quants.dequantize(stored.numpy(), gguf.GGMLQuantizationType(record.type_id))
+        return torch.from_numpy(values)
 
     def raw(self, name: str) -> torch.Tensor:
         """The tensor as the HF release has it: a view of the mapped file where the converter only renamed it, else
@@ -253,9 +279,10 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: tensor '{name}' is missing (this GGUF has no "
                                   f"{name.removeprefix(TEXT)}). The file is incomplete or of another model: "
                                   "download it again.")
-        parts = [self._stored(r) for r in info.sources]
+        parts = [self._float(r) for r in info.sources]
         if info.op == "cat":
-            return torch.cat([p.to(info.dtype) for p in parts], dim=1)
+            dtype = info.dtype if isinstance(info.dtype, torch.dtype) else torch.float32
+            return torch.cat([p.to(dtype) for p in parts], dim=1)
         return undo(info.op, parts[0], self.heads, info.shape)
 
     def weight(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -270,9 +297,17 @@ class GGUFCheckpoint:
     def weight_at(self, name: str, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Matrix `index` of a stacked tensor [N, rows, cols] (fused experts) in `dtype`."""
         info = self.infos.get(name)
-        if info is not None and info.op == "cat":
-            return torch.cat([self._stored(r)[index].to(dtype) for r in info.sources])
+        if info is not None and info.op in ("cat", "copy"):
+            return torch.cat([self._float(r, index).to(dtype) for r in info.sources])
         return self.raw(name)[index].to(dtype)
+
+    def blocks_at(self, name: str, index: int) -> tuple[tuple[BlockType, torch.Tensor], ...] | None:
+        """Matrix `index` of a stacked tensor kept in blocks (routed experts), as (block type, bytes [rows, bytes per
+        row]) per part of its rows (gate, then up), viewing the mapped file; None if it is not kept in blocks."""
+        info = self.infos[name]
+        if not isinstance(info.dtype, BlockType) or len(info.shape) != 3:
+            return None
+        return tuple((BLOCK_TYPES[r.type_name], self._stored(r)[index]) for r in info.sources)
 
     def release(self, name: str) -> None:
         """Drops the mapped pages of a tensor that was copied out (they are read again if it is used again)."""

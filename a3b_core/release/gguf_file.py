@@ -33,7 +33,33 @@ TENSOR_TYPES: dict[int, tuple[str, int, int]] = {
     29: ("IQ1_M", 256, 56), 30: ("BF16", 1, 2), 34: ("TQ1_0", 256, 54), 35: ("TQ2_0", 256, 66),
     39: ("MXFP4", 32, 17),
 }
+# The block types whose tensors are read (computed from their blocks, or dequantized); the others are refused by name.
+READ_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 REDOWNLOAD = "The file is truncated or corrupt: download it again (and check its size against the release)."
+
+
+@dataclass(frozen=True)
+class BlockType:
+    """A ggml block-quantized tensor type. It stands where a torch dtype stands for float tensors (a checkpoint's
+    TensorInfo.dtype, the planner's inventory), so it prints as its name and knows its bytes."""
+    type_id: int
+    name: str
+    block_elements: int
+    block_bytes: int
+
+    def __str__(self) -> str:
+        return self.name
+
+    def row_bytes(self, columns: int) -> int:
+        return columns // self.block_elements * self.block_bytes
+
+    def stored_bytes(self, numel: int) -> int:
+        return numel // self.block_elements * self.block_bytes
+
+
+BLOCK_TYPES: dict[str, BlockType] = {name: BlockType(type_id, name, block, nbytes)
+                                     for type_id, (name, block, nbytes) in TENSOR_TYPES.items()
+                                     if name in READ_BLOCK_TYPES}
 
 
 @dataclass(frozen=True)

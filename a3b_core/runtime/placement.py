@@ -35,10 +35,11 @@ import torch
 
 from ..errors import PlacementError
 from ..formats.dense import is_quantised_dense
-from ..formats.table import (BF16, DENSE_FORMATS, FLOAT_FORMATS, FP8, FP32, INT4, INT8, KV_FORMATS, WEIGHT_FORMATS,
-                            format_named)
+from ..formats.table import (BF16, DENSE_FORMATS, FLOAT_FORMATS, FP8, FP32, GGUF, INT4, INT8, KV_FORMATS,
+                            WEIGHT_FORMATS, format_named)
 from ..models import family_for
 from ..release.config import ModelConfig
+from ..release.gguf_file import BlockType
 from ..release.safetensors import FP8_DTYPES
 from ..release.weights import stays_fp32
 from .gguf_source import model_headers
@@ -70,7 +71,7 @@ CPU_CONTEXT = 32768
 MIN_CONTEXT = 4096  # an automatically chosen context is never halved below this
 DENSE_GROUPS = ("lm_head", "mixers", "shared_experts", "routers", "mlp", "norms", "other")
 
-TensorSpec = tuple[tuple[int, ...], torch.dtype]  # shape, dtype
+TensorSpec = tuple[tuple[int, ...], "torch.dtype | BlockType"]  # shape, dtype (a GGUF block type for blocks)
 Tensors = Mapping[str, TensorSpec]
 
 
@@ -216,6 +217,10 @@ class Inventory:
             target[name] = (tuple(shape), dtype)
         self.expert_layers = dict(sorted(experts.items()))
         self.experts_fp8 = any(d in FP8_DTYPES for layer in experts.values() for _, d in layer.values())
+        expert_types = {d for layer in experts.values() for _, d in layer.values()}
+        # the block types of a quantized GGUF's experts, when every expert tensor is in one
+        self.expert_blocks = sorted(map(str, expert_types)) \
+            if expert_types and all(isinstance(d, BlockType) for d in expert_types) else []
         self.dense_fp8 = any(d in FP8_DTYPES for g in DENSE_GROUPS for _, d in self.groups.get(g, {}).values())
         self._layer_bytes: dict[tuple[int, str], int] = {}
 
@@ -429,6 +434,10 @@ class _Planner:
         elif self.compute_format == FP32:
             fmt = FP32
             notes.append("CPU experts in fp32: compute_dtype float32 keeps every weight exact (the reference mode)")
+        elif self.inv.expert_blocks:
+            fmt = GGUF
+            notes.append(f"CPU experts kept in the GGUF file's blocks ({', '.join(self.inv.expert_blocks)}) and "
+                         "computed from them: no conversion, no accuracy lost")
         elif need(INT8) <= cpu_budget:
             fmt = INT8
             notes.append("CPU experts in int8 (weight-only, one scale per row, ~0.5x of bf16): faster than bf16 on the "
@@ -496,6 +505,9 @@ def make_plan(config: ModelConfig, tensors: Tensors, preset: str = "auto", weigh
         raise PlacementError(f"max_context {max_context!r} is out of range: expected 1 to {limit} (the model's "
                              "max_position_embeddings), or leave it unset for the preset's default.")
     inv = Inventory(tensors, family_for(config.model_type).classify)
+    if weight_format == GGUF and not inv.expert_blocks:
+        raise PlacementError("weight_format gguf keeps a GGUF file's block-quantized experts (Q4_K, Q8_0, ...), but "
+                             "this checkpoint does not store its experts so; use int8, int4 or bf16 (or auto).")
     if weight_format == FP8 and inv.expert_layers and not inv.experts_fp8:
         raise PlacementError("weight_format fp8 keeps the checkpoint's FP8 experts, but this checkpoint stores "
                              "them unquantized; use int8, int4 or bf16 (or auto), or load the model's FP8 release.")
