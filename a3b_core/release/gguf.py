@@ -20,6 +20,7 @@ read (by gguf-py, llama.cpp's own reference). Other types (the I-quants, ...) ar
 """
 from __future__ import annotations
 
+import math
 import mmap
 import re
 from collections.abc import Callable
@@ -221,8 +222,7 @@ class GGUFCheckpoint:
         dtypes = {FLOAT_TYPES.get(r.type_name) or BLOCK_TYPES[r.type_name] for r in sources}
         blocks = [d for d in dtypes if isinstance(d, BlockType)]
         if op in ("copy", "cat") and len(blocks) == len(dtypes):
-            # kept in blocks; gate and up halves of different types count as the first's in the planner's estimate
-            dtype = BLOCK_TYPES[sources[0].type_name]
+            dtype = BLOCK_TYPES[sources[0].type_name] if len(blocks) == 1 else halves_type(*(BLOCK_TYPES[r.type_name] for r in sources))
         elif op in ("norm", "a_log") or len(dtypes) > 1 or blocks:
             dtype = torch.float32  # changed by the converter, or mixed: read as fp32
         else:
@@ -330,6 +330,14 @@ class GGUFCheckpoint:
                 pass
             self._map_file = None
         self.reader = None
+
+
+def halves_type(first: BlockType, second: BlockType) -> BlockType:
+    """The type of a matrix made of two equal halves in two block types (gate and up), for its name and its bytes:
+    "Q4_0+Q5_1", with a block of both halves' blocks."""
+    half = math.lcm(first.block_elements, second.block_elements)
+    nbytes = half // first.block_elements * first.block_bytes + half // second.block_elements * second.block_bytes
+    return BlockType(-1, f"{first}+{second}", 2 * half, nbytes)
 
 
 def unreorder_heads(x: torch.Tensor, dim: int, key_heads: int, value_heads: int, head_dim: int) -> torch.Tensor:

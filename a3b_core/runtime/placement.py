@@ -219,7 +219,7 @@ class Inventory:
         self.experts_fp8 = any(d in FP8_DTYPES for layer in experts.values() for _, d in layer.values())
         expert_types = {d for layer in experts.values() for _, d in layer.values()}
         # the block types of a quantized GGUF's experts, when every expert tensor is in one
-        self.expert_blocks = sorted(map(str, expert_types)) \
+        self.expert_blocks = sorted({name for d in expert_types for name in str(d).split("+")}) \
             if expert_types and all(isinstance(d, BlockType) for d in expert_types) else []
         self.dense_fp8 = any(d in FP8_DTYPES for g in DENSE_GROUPS for _, d in self.groups.get(g, {}).values())
         self._layer_bytes: dict[tuple[int, str], int] = {}
