@@ -6,6 +6,7 @@
     python bench/speed.py --no-llama --no-transformers --ours bf16,bf16+int8 --baseline HEAD~3   # a change's cost
     python bench/speed.py --no-llama --no-transformers --ours bf16 --vl   # Qwen3-VL-MoE vs Qwen3.5 per parameter
     python bench/speed.py --no-llama --ours bf16+int8,bf16+int8+dense8,bf16+int4+dense4   # dense int8 / int4
+    python bench/speed.py --no-transformers --no-image --ours gguf-q4_k_m,gguf-q8_0 --llama-types q4_k_m,q8_0
 
 An --ours configuration is `compute[+experts][+denseN][+loraR]`: the compute dtype (fp32, bf16), the routed experts'
 format (fp32, bf16, fp8, int8, int4; default: the compute dtype), with +dense8 / +dense4 the dense matrices held as int8
@@ -114,8 +115,17 @@ def ours_spec(spec: str) -> tuple[str, str, str, int]:
     return COMPUTE_DTYPES[compute], experts or compute, dense, lora
 
 
+GGUF_SPEC = "gguf-"  # --ours gguf-q4_k_m: our engine on llama.cpp's own file of that type (bf16 compute)
+
+
 def ours_command(args, spec: str, mode: str, *options: str, tree: Path = HERE.parent,
                  family: str = FAMILIES[0]) -> list[str]:
+    if spec.startswith(GGUF_SPEC):  # the file llama-bench runs: its experts kept in their blocks (auto)
+        kind = spec[len(GGUF_SPEC):]
+        llama_tree = llama.llama_tree(args.llama_cpp, args.build_jobs, args.llama_no_amx)
+        path = llama.gguf_files(llama_tree, checkpoint_folder(args.small, family=family), [kind], args.threads)[kind]
+        return worker(args.threads, mode, "--model", str(path), "--dtype", "bfloat16", "--format", "auto", *options,
+                      tree=tree)
     dtype, experts, dense, lora = ours_spec(spec)
     model_dir = checkpoint_folder(args.small, fp8=experts == "fp8", family=family)
     # given only when asked: a --baseline engine older than an option runs the other configurations unchanged
@@ -145,6 +155,8 @@ def engine_tree(revision: str) -> Path:
 
 def vl_runs(args, spec: str) -> bool:
     """Whether --vl runs this configuration on the Qwen3-VL-MoE bench model too (which has no FP8 copy)."""
+    if spec.startswith(GGUF_SPEC):
+        return args.vl
     if args.vl and ours_spec(spec)[1] == "fp8":
         print(f"[bench] --vl: ours {spec} runs on Qwen3.5 only (the Qwen3-VL-MoE bench model has no FP8 copy)")
     return args.vl and ours_spec(spec)[1] != "fp8"
@@ -305,7 +317,8 @@ def main() -> None:
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers")
     parser.add_argument("--no-image", action="store_true", help="skip the demo model's image and video TTFT")
     parser.add_argument("--ours", default=DEFAULT_OURS,
-                        help=f"our configurations, COMPUTE[+EXPERTS] comma-separated (default {DEFAULT_OURS})")
+                        help=f"our configurations, COMPUTE[+EXPERTS] comma-separated (default {DEFAULT_OURS}); "
+                             "gguf-TYPE (e.g. gguf-q4_k_m) runs llama.cpp's own GGUF file of that type")
     parser.add_argument("--vl", action="store_true",
                         help="run each --ours configuration on the Qwen3-VL-MoE bench model too, in the same rounds, "
                              "and compare the two families per active parameter")
