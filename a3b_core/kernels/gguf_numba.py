@@ -17,7 +17,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-from .gguf_blocks import IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0
+from .gguf_blocks import IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0
 
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorized); no assumption that values are finite
 ROW_BLOCK = 16  # output rows per parallel work item
