@@ -183,8 +183,10 @@ def dequantize_rows(type_id, blocks, out):
         row = blocks[r]
         for b in range(out.shape[1] // elems):
             decode_block(type_id, row, b * nbytes, codes, scales, offsets)
-            for k in range(elems):
-                out[r, b * elems + k] = scales[k // group] * codes[k] + offsets[k // group]
+            for g in range(elems // group):
+                first = b * elems + g * group
+                for k in range(group):
+                    out[r, first + k] = scales[g] * codes[g * group + k] + offsets[g]
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)
