@@ -1,8 +1,9 @@
 """Block-quantized GGUF files made from the converter's F32 fixtures (tests/tiny_gguf.py), as llama.cpp's quantizer
 would lay them out: each matrix rewritten in a chosen block type, everything else (metadata, vectors) copied.
 
-gguf-py quantizes the 32-element types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) from the matrix; the K types it cannot
-quantize are written as random blocks whose fp16 scales are set so the matrix keeps the source's spread. Either way
+gguf-py quantizes the 32-element types (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1) from the matrix; the types it cannot
+quantize (the K types, IQ4_NL, IQ4_XS) are written as random blocks whose fp16 scales are set so the matrix keeps the
+source's spread. Either way
 the file's weights are what gguf-py's dequantization says, which is the oracle the tests hold the engine to.
 """
 from __future__ import annotations
@@ -12,29 +13,26 @@ from pathlib import Path
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter, quants
-from gguf.constants import GGML_QUANT_SIZES
 
-# byte offsets of the fp16 scale fields (d, dmin) in one block of each K type
-K_SCALE_FIELDS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+from a3b_core.kernels.gguf_blocks import half_fields, random_blocks, reference_dequantize
+from a3b_core.kernels.gguf_types import BLOCK_TYPES, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0
+
+QUANTIZED_BY_GGUF_PY = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1)  # type ids
 Chooser = Callable[[str, tuple[int, ...]], "str | None"]  # (GGUF tensor name, torch shape) -> block type or None
 
 
-def random_k_blocks(kind: str, values: np.ndarray, seed: int) -> np.ndarray:
-    """Random valid blocks of a K type for a float matrix [.., cols], scaled to the matrix's standard deviation."""
-    qtype = GGMLQuantizationType[kind]
-    block, nbytes = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
+def random_scaled_blocks(kind: str, values: np.ndarray, seed: int) -> np.ndarray:
+    """Random valid blocks of a type for a float matrix [.., cols], scaled to the matrix's standard deviation."""
+    type_id = int(GGMLQuantizationType[kind])
+    _, elems, nbytes = BLOCK_TYPES[type_id]
     rows = values.reshape(-1, values.shape[-1])
-    blocks = rng.integers(0, 256, size=(rows.shape[0], rows.shape[1] // block, nbytes), dtype=np.uint8)
-    fields = K_SCALE_FIELDS[kind]
-    for offset in fields:
-        blocks[..., offset:offset + 2] = rng.uniform(0.5, 1.0, blocks.shape[:2]).astype(np.float16)[..., None] \
-            .view(np.uint8).reshape(*blocks.shape[:2], 2)
-    spread = quants.dequantize(blocks.reshape(rows.shape[0], -1), qtype).std()
+    blocks = random_blocks(type_id, rows.shape[0], rows.shape[1], np.random.default_rng(seed))
+    spread = reference_dequantize(type_id, blocks, rows.shape[1]).std()
     factor = rows.std() / max(float(spread), 1e-12)
-    for offset in fields:
-        scales = blocks[..., offset:offset + 2].copy().view(np.float16)
-        blocks[..., offset:offset + 2] = (scales.astype(np.float32) * factor).astype(np.float16).view(np.uint8)
+    per_block = blocks.reshape(rows.shape[0], -1, nbytes)
+    for at in half_fields(type_id):
+        scales = per_block[..., at:at + 2].copy().view(np.float16)
+        per_block[..., at:at + 2] = (scales.astype(np.float32) * factor).astype(np.float16).view(np.uint8)
     return blocks.reshape(*values.shape[:-1], -1)
 
 
@@ -55,7 +53,7 @@ def requantize(source: Path, out: Path, choose: Chooser, seed: int = 0) -> None:
             writer.add_tensor(tensor.name, np.asarray(tensor.data))
             continue
         qtype = GGMLQuantizationType[kind]
-        data = random_k_blocks(kind, values, seed + n) if kind in K_SCALE_FIELDS else quants.quantize(values, qtype)
+        data = quants.quantize(values, qtype) if qtype in QUANTIZED_BY_GGUF_PY else random_scaled_blocks(kind, values, seed + n)
         writer.add_tensor(tensor.name, data, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()

@@ -51,13 +51,12 @@ class GgufBlocks:
         return out
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat([torch.as_tensor(dequantize_blocks(t.type_id, blocks, self.shape[2]))
+        return torch.cat([dequantize_blocks(t.type_id, blocks, self.shape[2])
                           for t, blocks in self._blocks(q, e)]).to(dtype)
 
     def cpu_product(self, q: torch.Tensor, scale: torch.Tensor, e: int, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).float().contiguous().numpy()
-        out = torch.cat([torch.as_tensor(blocks_product(t.type_id, blocks, rows)) for t, blocks in self._blocks(q, e)],
-                        dim=-1)
+        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
+        out = torch.cat([blocks_product(t.type_id, blocks, rows) for t, blocks in self._blocks(q, e)], dim=-1)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
     @staticmethod

@@ -30,7 +30,6 @@ is not swapped, and a decoding step given them runs the store's products.
 from __future__ import annotations
 
 import os
-import threading
 import warnings
 from functools import cache
 from types import ModuleType
@@ -41,15 +40,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cpu_linear import many_rows_product, many_rows_weight_dtype
+from ..kernels.numba_threads import LOCK, set_threads
 from .stores import CpuFloatExperts, QuantizedExperts
 from .table import BF16, FORMATS, INT4, INT8
 
 # the formats the kernels read, by their code; quantized stores in these are swapped, and bf16 CpuFloatExperts
 FORMAT_CODES = {fmt: fmt.kernel_code for fmt in FORMATS.values() if fmt.kernel_code is not None}
 KERNEL_FORMATS = tuple(fmt for fmt in FORMAT_CODES if fmt.quantized)
-LOCK = threading.Lock()  # numba's thread pools do not all accept calls from two threads at once
-# the kernels' thread count as last set on this thread (numba's setting is per thread; setting it costs ~17 us)
-_threads = threading.local()
 
 
 def kernels_enabled() -> bool:
@@ -71,14 +68,6 @@ def compiled_kernels() -> ModuleType | None:
                       "(slower decoding on the CPU). Set A3B_NO_NUMBA=1 to skip the attempt.", stacklevel=2)
         return None
     return cpu_numba
-
-
-def set_threads(kernels: ModuleType) -> None:
-    """Gives the kernels torch's thread count (call under LOCK)."""
-    threads = torch.get_num_threads()
-    if threads != getattr(_threads, "count", 0):
-        kernels.set_threads(threads)
-        _threads.count = threads
 
 
 def plain_cpu(*tensors: torch.Tensor) -> bool:
@@ -191,7 +180,7 @@ class KernelExperts(nn.Module):
         """The routed experts' weighted sum for the rows of x [N, H] (top_i, top_p [N, k])."""
         out = np.zeros(tuple(x.shape), np.float32)
         with LOCK:
-            set_threads(self.kernels)
+            set_threads()
             self.kernels.routed_step(self.fmt.kernel_code, self.inter, *self.gate_up_proj.arrays,
                                      *self.down_proj.arrays, x.detach().float().contiguous().numpy(),
                                      top_i.contiguous().numpy(), top_p.detach().float().contiguous().numpy(), out)
@@ -204,7 +193,7 @@ def dequantized(kernels: ModuleType, code: int, arrays: tuple[np.ndarray, np.nda
     weights rounded to the nearest even, as torch rounds them)."""
     out = torch.empty(shape, dtype=dtype)
     with LOCK:
-        set_threads(kernels)
+        set_threads()
         if dtype == torch.bfloat16:
             kernels.dequantize_bf16(code, *arrays, e, out.view(torch.int16).numpy())
         else:

@@ -63,11 +63,6 @@ def pmadd_lanes() -> int:
 PMADD_LANES = pmadd_lanes()
 
 
-def set_threads(threads: int) -> None:
-    """The kernels' thread count (numba's pool holds at most NUMBA_NUM_THREADS)."""
-    numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
-
-
 # A kernel compiled against a cached parallel kernel (bf16_product, cpu_steps.py's steps) is cached without the hook
 # that starts numba's thread pool when the parallel one loads; loaded in a new process before any parallel kernel
 # ran, it would call a pool never started (a segfault). Starting the pool on import covers every such kernel.

@@ -1,15 +1,162 @@
-"""GGUF block types' products and dequantization (placeholder: gguf-py's reference dequantization)."""
+"""GGUF block-quantized matrices kept as their file's block bytes: dequantized, and multiplied with activation rows,
+straight from the blocks.
+
+A matrix of `rows` x `cols` weights is a uint8 array [rows, row_bytes(type_id, cols)]: each row is cols / block_elems
+blocks of block_bytes, in the layouts of llama.cpp's ggml (gguf-py's gguf/quants.py reads them the same way and is the
+reference here). The types computed are the legacy 32-weight blocks (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL) and the
+256-weight K blocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS).
+
+The numba kernels (gguf_numba.py) are used when numba imports, compiles them and reproduces gguf-py on a small matrix,
+unless the environment sets A3B_NO_NUMBA=1 (the rule of formats/kernel_stores.py); otherwise gguf-py dequantizes and
+torch multiplies. A product of a few activation rows (decoding: up to FEW_ROWS) reads each block once and dots its
+integer codes with the activations; more rows dequantize the matrix and make one torch product.
+
+bench/gguf_blocks.py, a 2048 x 2048 matrix and one activation row on 2 threads of an AMD EPYC (AVX2): the kernel
+took 2.1-4.2 ms (0.4-1.3 GB/s of blocks; Q4_K and Q5_K fastest), torch's bf16 matrix-vector product of the same
+matrix 0.4 ms (21 GB/s): the kernel is 5-11x slower than torch's bf16 product, bound by its decoding and fp32 loops
+(not by memory). dequantize_rows makes the fp32 matrix at 1.7-4 ms per 4 M weights on one thread.
+"""
 from __future__ import annotations
+
+import os
+import warnings
+from functools import cache
+from types import ModuleType
 
 import numpy as np
 import torch
 
+from ..errors import CheckpointError
+from .gguf_types import BLOCK_TYPES, Q2_K, Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K
+from .numba_threads import LOCK, set_threads
 
-def dequantize_blocks(type_id: int, blocks: np.ndarray, cols: int) -> np.ndarray:
-    import gguf
-    return gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType(type_id))
+# a product with at most this many activation rows is computed from the blocks by the kernel (one pass over the
+# matrix); more rows make dequantizing once and one matrix product cheaper
+FEW_ROWS = 16
 
 
-def blocks_product(type_id: int, blocks: np.ndarray, x: np.ndarray) -> np.ndarray:
-    w = torch.from_numpy(dequantize_blocks(type_id, blocks, x.shape[1]))
-    return (torch.from_numpy(x) @ w.T).numpy()
+def block_type(type_id: int) -> tuple[str, int, int]:
+    """(name, weights a block, bytes a block) of a computed type, or CheckpointError naming the type."""
+    if type_id not in BLOCK_TYPES:
+        names = ", ".join(name for name, _, _ in BLOCK_TYPES.values())
+        raise CheckpointError(f"GGUF block type id {type_id} is not one computed from its blocks (these are: {names}). "
+                              "Use a GGUF file quantized in one of these types.")
+    return BLOCK_TYPES[type_id]
+
+
+def row_bytes(type_id: int, cols: int) -> int:
+    """The bytes of one row of `cols` weights in the type."""
+    name, elems, nbytes = block_type(type_id)
+    if cols <= 0 or cols % elems:
+        raise CheckpointError(f"a {name} row holds whole blocks of {elems} weights; {cols} columns are not. "
+                              "The GGUF file is corrupt: download it again.")
+    return cols // elems * nbytes
+
+
+def check_blocks(type_id: int, blocks: np.ndarray, cols: int) -> None:
+    """CheckpointError unless blocks is a C-contiguous uint8 [rows, row_bytes] matrix of `cols` columns."""
+    wanted = row_bytes(type_id, cols)
+    if blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] != wanted or not blocks.flags.c_contiguous:
+        raise CheckpointError(f"{BLOCK_TYPES[type_id][0]} blocks of {cols} columns are a C-contiguous uint8 array "
+                              f"[rows, {wanted}]; got {blocks.dtype} {list(blocks.shape)}. Pass the tensor's bytes "
+                              "as read from the GGUF file, one row of blocks per matrix row.")
+
+
+def kernels() -> ModuleType | None:
+    """gguf_numba.py when it is used (see the module docstring), else None."""
+    if os.environ.get("A3B_NO_NUMBA", "0") not in ("", "0"):
+        return None
+    return compiled_kernels()
+
+
+@cache
+def compiled_kernels() -> ModuleType | None:
+    """gguf_numba.py compiled and checked against gguf-py on one small matrix per type, or None (with a warning)."""
+    try:
+        from . import gguf_numba
+    except ImportError:
+        return None
+    try:
+        check_kernels(gguf_numba)
+    except Exception as exc:  # numba's compile errors have many types; any failure means the reference path
+        warnings.warn(f"a3b_core: numba could not compile the GGUF block kernels ({exc}); using gguf-py's "
+                      "dequantization and torch's products. Set A3B_NO_NUMBA=1 to skip the attempt.", stacklevel=2)
+        return None
+    return gguf_numba
+
+
+def check_kernels(gguf_numba: ModuleType) -> None:
+    """Every type's kernels on two rows of two blocks of fixed random bytes (their fp16 scales made finite and small)
+    dequantize as gguf-py does, and multiply one activation row within fp32 rounding."""
+    generator = np.random.default_rng(0)
+    x = generator.standard_normal((1, 512), dtype=np.float32)
+    for type_id, (_, elems, _) in BLOCK_TYPES.items():
+        cols = 2 * elems
+        blocks = random_blocks(type_id, 2, cols, generator)
+        want = reference_dequantize(type_id, blocks, cols)
+        got = np.empty((2, cols), dtype=np.float32)
+        gguf_numba.dequantize_rows(type_id, blocks, got)
+        if not np.array_equal(got, want):
+            raise ValueError(f"{BLOCK_TYPES[type_id][0]} blocks dequantize differently from gguf-py")
+        product = np.empty((1, 2), dtype=np.float32)
+        gguf_numba.product_rows(type_id, blocks, x[:, :cols], product)
+        reference = x[:, :cols].astype(np.float64) @ want.T.astype(np.float64)
+        if not np.allclose(product, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max()):
+            raise ValueError(f"the product of {BLOCK_TYPES[type_id][0]} blocks differs from the reference")
+
+
+def random_blocks(type_id: int, rows: int, cols: int, generator: np.random.Generator) -> np.ndarray:
+    """Valid blocks of random contents: random bytes with every fp16 scale field (d, and dmin where there is one) a
+    finite value in [-1, 1) / 64, for tests and benchmarks of types gguf-py cannot quantize."""
+    _, elems, nbytes = block_type(type_id)
+    blocks = generator.integers(0, 256, (rows, cols // elems, nbytes), dtype=np.uint8)
+    for at in half_fields(type_id):
+        halves = (generator.uniform(-1, 1, (rows, cols // elems)) / 64).astype(np.float16)
+        blocks[:, :, at:at + 2] = halves.view(np.uint8).reshape(rows, cols // elems, 2)
+    return blocks.reshape(rows, -1)
+
+
+def half_fields(type_id: int) -> tuple[int, ...]:
+    """The byte offsets of a block's fp16 fields (its scale d, and its minimum's scale where there is one)."""
+    return {Q2_K: (80, 82), Q3_K: (108,), Q6_K: (208,), Q4_1: (0, 2), Q5_1: (0, 2), Q4_K: (0, 2),
+            Q5_K: (0, 2)}.get(type_id, (0,))
+
+
+def reference_dequantize(type_id: int, blocks: np.ndarray, cols: int) -> np.ndarray:
+    """gguf-py's dequantization (llama.cpp's reference) of blocks [rows, row_bytes]: float32 [rows, cols]."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+    return dequantize(blocks, GGMLQuantizationType(type_id)).reshape(blocks.shape[0], cols)
+
+
+def dequantize_blocks(type_id: int, blocks: np.ndarray, cols: int) -> torch.Tensor:
+    """The weights of blocks [rows, row_bytes(type_id, cols)] as float32 [rows, cols]."""
+    check_blocks(type_id, blocks, cols)
+    compiled = kernels()
+    if compiled is None:
+        return torch.from_numpy(reference_dequantize(type_id, blocks, cols))
+    out = np.empty((blocks.shape[0], cols), dtype=np.float32)
+    with LOCK:
+        set_threads()
+        compiled.dequantize_rows(type_id, blocks, out)
+    return torch.from_numpy(out)
+
+
+def blocks_product(type_id: int, blocks: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for the matrix W of blocks [rows, row_bytes] and activations x float32 [T, cols]: float32 [T, rows].
+    Many rows (or no numba) dequantize W and multiply in fp32: the dequantized weights are exact fp32 values, so the
+    product is the reference's up to fp32 rounding of the sums, where bf16 would round weights and activations to 8
+    bits of mantissa (and without AMX is not faster on the CPU)."""
+    if x.dtype != torch.float32 or x.ndim != 2:
+        raise ValueError(f"activations multiplied with GGUF blocks are float32 [T, cols]; got {x.dtype} "
+                              f"{list(x.shape)}. Convert them with .float() first.")
+    cols = x.shape[1]
+    check_blocks(type_id, blocks, cols)
+    compiled = kernels()
+    if compiled is None or x.shape[0] > FEW_ROWS:
+        return x @ dequantize_blocks(type_id, blocks, cols).T
+    out = np.empty((x.shape[0], blocks.shape[0]), dtype=np.float32)
+    with LOCK:
+        set_threads()
+        compiled.product_rows(type_id, blocks, x.detach().contiguous().numpy(), out)
+    return torch.from_numpy(out)

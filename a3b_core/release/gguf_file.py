@@ -34,7 +34,7 @@ TENSOR_TYPES: dict[int, tuple[str, int, int]] = {
     39: ("MXFP4", 32, 17),
 }
 # The block types whose tensors are read (computed from their blocks, or dequantized); the others are refused by name.
-READ_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+READ_BLOCK_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 REDOWNLOAD = "The file is truncated or corrupt: download it again (and check its size against the release)."
 
 

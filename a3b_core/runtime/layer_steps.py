@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats.dense import QuantizedLinear
-from ..formats.kernel_stores import LOCK, KernelExperts, compiled_kernels, plain_cpu, set_threads
+from ..formats.kernel_stores import KernelExperts, compiled_kernels, plain_cpu
+from ..kernels.numba_threads import LOCK, set_threads
 from ..formats.kernel_stores import matrix as expert_matrix
 from ..formats.stores import CpuFloatExperts, QuantizedExperts
 from ..formats.table import BF16
@@ -59,7 +60,7 @@ class DeltaNetKernel:
         qkv, z, beta, a = (t.detach()[:, 0].float().contiguous().numpy() for t in (qkv, z, beta, a))
         out = np.empty(z.shape, np.float32)
         with LOCK:
-            set_threads(self.kernels)
+            set_threads()
             self.steps.gated_delta_step(qkv, z, beta, a, self.rule, history.numpy(), state.numpy(), out)
         return torch.from_numpy(out)[:, None]
 
@@ -105,7 +106,7 @@ class MoeStepKernel:
         """The block's output for decoding rows x [N, H] (bf16)."""
         rows, out = bf16_arrays(x)
         with LOCK:
-            set_threads(self.kernels)
+            set_threads()
             self.steps.sparse_moe_step(self.weights, rows, out.numpy())
         return bf16_tensor(out, x.shape)
 
@@ -138,7 +139,7 @@ class LayerStepKernel:
         """The layer's output for decoding rows x [B, 1, H] (bf16), the cache updated."""
         rows, out = bf16_arrays(x)
         with LOCK:
-            set_threads(self.kernels)
+            set_threads()
             self.run(rows, cos, sin, cache, out.numpy())
         return bf16_tensor(out, x.shape)
 

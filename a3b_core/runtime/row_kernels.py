@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ..formats.dense import QuantizedLinear
-from ..formats.kernel_stores import KERNEL_FORMATS, LOCK, dequantized_product, kernel_arrays, plain_cpu, set_threads
+from ..formats.kernel_stores import KERNEL_FORMATS, dequantized_product, kernel_arrays, plain_cpu
+from ..kernels.numba_threads import LOCK, set_threads
 from ..formats.lora import LowRank, side_paths
 from ..formats.table import BF16, format_named
 from ..kernels.arrays import Matrix
@@ -49,13 +50,13 @@ class DenseKernel:
         if x.dtype == torch.bfloat16 and bias is None:  # bf16 in and out as bit patterns: no torch conversions
             rows, out = bf16_arrays(x, self.shape[0])
             with LOCK:
-                set_threads(self.kernels)
+                set_threads()
                 self.kernels.bf16_matrix_rows(self.code, *self.arrays, rows, out.numpy())
             return bf16_tensor(out, (*x.shape[:-1], self.shape[0]))
         rows = x.detach().float().reshape(-1, x.shape[-1]).contiguous().numpy()
         out = torch.empty(*x.shape[:-1], self.shape[0])
         with LOCK:
-            set_threads(self.kernels)
+            set_threads()
             self.kernels.matrix_rows(self.code, *self.arrays, rows, out.view(len(rows), -1).numpy())
         if bias is not None:
             out += bias

@@ -1,0 +1,232 @@
+"""numba kernels of kernels/gguf_blocks.py: GGUF block-quantized rows dequantized, and dotted with a few activation rows,
+straight from their block bytes (layouts as gguf-py's gguf/quants.py reads them).
+
+Every block is decoded the same way (decode_block): its integer codes into fp32 (exact), with a scale and an offset per
+group of 16 or 32 codes, the group's weights being scale * code + offset (offset 0 where the type has no minimum). A
+dot product then sums code * x per group and scales the sum once: scale * sum(code * x) + offset * sum(x), the groups'
+sums of x computed once per call, so the inner loops are plain fp32 multiply-adds that LLVM vectorizes. A parallel
+work item reads ROW_BLOCK consecutive rows, each block once for all activation rows of the call. Each row's result does
+not depend on the other rows of the call.
+
+The two entry points run in parallel (prange) and are called from Python only: a cached kernel calling a cached
+parallel one can crash when loaded in a new process (see the comment at the top of cpu_numba.py).
+"""
+from __future__ import annotations
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+from .gguf_types import IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0
+
+FAST = {"reassoc", "contract"}  # sums may be reordered (vectorized); no assumption that values are finite
+ROW_BLOCK = 16  # output rows per parallel work item
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+
+# see cpu_numba.py: start numba's thread pool on import, before any cached kernel loads
+numba.get_num_threads()
+
+
+@njit(cache=True, inline="always")
+def half_at(row, at):
+    """The fp16 value of row[at:at + 2] (little-endian) as fp32, exact, built from its bits."""
+    bits = np.int32(row[at]) | (np.int32(row[at + 1]) << 8)
+    exponent = (bits >> 10) & 31
+    mantissa = bits & 1023
+    if exponent == 0:
+        value = np.float32(mantissa) * np.float32(2.0 ** -24)
+    elif exponent == 31:
+        value = np.float32(np.inf) if mantissa == 0 else np.float32(np.nan)
+    else:
+        value = np.int32(((exponent + 112) << 23) | (mantissa << 13)).view(np.float32)
+    return -value if bits & 0x8000 else value
+
+
+@njit(cache=True, inline="always")
+def group_size(type_id):
+    """The codes a scale covers: 16 in Q2_K, Q3_K and Q6_K, 32 elsewhere (a whole block of the 32-weight types)."""
+    return 16 if type_id == Q2_K or type_id == Q3_K or type_id == Q6_K else 32
+
+
+@njit(cache=True, inline="always")
+def block_elems(type_id):
+    return 32 if type_id <= Q8_0 or type_id == IQ4_NL else 256
+
+
+@njit(cache=True, inline="always")
+def has_offset(type_id):
+    """True where the type's groups have a minimum (an offset added to every weight)."""
+    return type_id == Q4_1 or type_id == Q5_1 or type_id == Q2_K or type_id == Q4_K or type_id == Q5_K
+
+
+@njit(cache=True, inline="always")
+def k_scale_min(row, at, j):
+    """Group j's 6-bit scale and minimum of a Q4_K / Q5_K block's 12 scale bytes at row[at]."""
+    if j < 4:
+        return row[at + j] & 63, row[at + 4 + j] & 63
+    low = row[at + 4 + j]
+    return (low & 15) | ((row[at + j - 4] >> 2) & 48), (low >> 4) | ((row[at + j] >> 2) & 48)
+
+
+@njit(cache=True, inline="always")
+def legacy_block(type_id, row, at, codes):
+    """Codes of a 32-weight block at row[at] (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL) and its (scale, offset)."""
+    d = half_at(row, at)
+    if type_id == Q8_0:
+        for k in range(32):
+            codes[k] = np.float32(np.int8(row[at + 2 + k]))
+        return d, np.float32(0.0)
+    if type_id == Q4_0 or type_id == Q4_1 or type_id == IQ4_NL:
+        first = at + (4 if type_id == Q4_1 else 2)
+        if type_id == IQ4_NL:
+            for k in range(16):
+                byte = row[first + k]
+                codes[k], codes[16 + k] = IQ4_VALUES[byte & 15], IQ4_VALUES[byte >> 4]
+            return d, np.float32(0.0)
+        zero = 0 if type_id == Q4_1 else 8  # Q4_0's codes are signed: less 8
+        for k in range(16):
+            byte = row[first + k]
+            codes[k], codes[16 + k] = np.int32(byte & 15) - zero, np.int32(byte >> 4) - zero
+        return (d, half_at(row, at + 2)) if type_id == Q4_1 else (d, np.float32(0.0))
+    # Q5_0, Q5_1: low nibbles as Q4's, each weight's fifth bit from a 32-bit mask
+    first = at + (4 if type_id == Q5_1 else 2)
+    high = np.uint32(row[first]) | (np.uint32(row[first + 1]) << 8) | (np.uint32(row[first + 2]) << 16) \
+        | (np.uint32(row[first + 3]) << 24)
+    zero = 0 if type_id == Q5_1 else 16  # Q5_0's codes are signed: less 16
+    for k in range(16):
+        byte = row[first + 4 + k]
+        codes[k] = np.int32((byte & 15) | (((high >> k) & 1) << 4)) - zero
+        codes[16 + k] = np.int32((byte >> 4) | (((high >> (16 + k)) & 1) << 4)) - zero
+    return (d, half_at(row, at + 2)) if type_id == Q5_1 else (d, np.float32(0.0))
+
+
+@njit(cache=True, inline="always")
+def k_block(type_id, row, at, codes, scales, offsets):
+    """Codes of a 256-weight block at row[at] (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS), each group's scale and offset
+    in scales and offsets."""
+    if type_id == Q4_K or type_id == Q5_K:
+        d, dmin = half_at(row, at), half_at(row, at + 2)
+        for j in range(8):
+            sc, m = k_scale_min(row, at + 4, j)
+            scales[j], offsets[j] = d * np.float32(sc), -(dmin * np.float32(m))
+        low = at + (16 if type_id == Q4_K else 48)
+        for c in range(4):  # 32 bytes: low nibbles are group 2c, high nibbles group 2c + 1
+            for k in range(32):
+                byte = row[low + 32 * c + k]
+                codes[64 * c + k], codes[64 * c + 32 + k] = byte & 15, byte >> 4
+        if type_id == Q5_K:  # bit j of byte k is the fifth bit of group j's code k
+            for j in range(8):
+                for k in range(32):
+                    codes[32 * j + k] += np.float32(((row[at + 16 + k] >> j) & 1) << 4)
+    elif type_id == Q6_K:
+        d = half_at(row, at + 208)
+        for j in range(16):
+            scales[j] = d * np.float32(np.int8(row[at + 192 + j]))
+        for h in range(2):  # halves of 128: 64 low-nibble bytes, 32 bytes of 2-bit pairs
+            for k in range(64):
+                byte = row[at + 64 * h + k]
+                codes[128 * h + k], codes[128 * h + 64 + k] = byte & 15, byte >> 4
+            for s in range(4):
+                for k in range(32):
+                    codes[128 * h + 32 * s + k] += np.float32(((row[at + 128 + 32 * h + k] >> (2 * s)) & 3) << 4) - 32
+    elif type_id == Q2_K:
+        d, dmin = half_at(row, at + 80), half_at(row, at + 82)
+        for j in range(16):
+            byte = row[at + j]
+            scales[j], offsets[j] = d * np.float32(byte & 15), -(dmin * np.float32(byte >> 4))
+        for h in range(2):
+            for s in range(4):
+                for k in range(32):
+                    codes[128 * h + 32 * s + k] = (row[at + 16 + 32 * h + k] >> (2 * s)) & 3
+    elif type_id == Q3_K:
+        d = half_at(row, at + 108)
+        for j in range(16):
+            low = (row[at + 96 + j % 8] >> (4 * (j // 8))) & 15
+            high = (row[at + 104 + j % 4] >> (2 * (j // 4))) & 3
+            scales[j] = d * np.float32(np.int32(low | (high << 4)) - 32)
+        for h in range(2):  # 2-bit codes as Q2_K's, less 4 where the mask's bit is clear
+            for s in range(4):
+                for k in range(32):
+                    code = np.int32((row[at + 32 + 32 * h + k] >> (2 * s)) & 3)
+                    codes[128 * h + 32 * s + k] = code - 4 * (1 - np.int32((row[at + k] >> (4 * h + s)) & 1))
+    else:  # IQ4_XS
+        d = half_at(row, at)
+        high = np.int32(row[at + 2]) | (np.int32(row[at + 3]) << 8)
+        for j in range(8):
+            low = (row[at + 4 + j // 2] >> (4 * (j % 2))) & 15
+            scales[j] = d * np.float32(np.int32(low | (((high >> (2 * j)) & 3) << 4)) - 32)
+            for k in range(16):
+                byte = row[at + 8 + 16 * j + k]
+                codes[32 * j + k], codes[32 * j + 16 + k] = IQ4_VALUES[byte & 15], IQ4_VALUES[byte >> 4]
+
+
+@njit(cache=True, inline="always")
+def decode_block(type_id, row, at, codes, scales, offsets):
+    """Block at row[at] of the type: codes (fp32, 32 or 256), each group's scale and offset."""
+    if block_elems(type_id) == 32:
+        scales[0], offsets[0] = legacy_block(type_id, row, at, codes)
+    else:
+        k_block(type_id, row, at, codes, scales, offsets)
+
+
+@njit(cache=True, parallel=True)
+def dequantize_rows(type_id, blocks, out):
+    """out[r] = the weights of row r of blocks (uint8 [rows, row_bytes]), float32 [rows, cols]. Without fastmath:
+    scale * code + offset rounds as gguf-py's does (no fused multiply-add)."""
+    elems = block_elems(type_id)
+    nbytes = blocks.shape[1] * elems // out.shape[1]
+    group = group_size(type_id)
+    for r in prange(out.shape[0]):
+        codes = np.zeros(elems, dtype=np.float32)
+        scales = np.zeros(elems // group, dtype=np.float32)
+        offsets = np.zeros(elems // group, dtype=np.float32)
+        row = blocks[r]
+        for b in range(out.shape[1] // elems):
+            decode_block(type_id, row, b * nbytes, codes, scales, offsets)
+            for g in range(elems // group):
+                first = b * elems + g * group
+                for k in range(group):
+                    out[r, first + k] = scales[g] * codes[g * group + k] + offsets[g]
+
+
+@njit(cache=True, fastmath=FAST, parallel=True)
+def product_rows(type_id, blocks, x, out):
+    """out[t, r] = dot(row r of blocks' weights, x[t]) for blocks uint8 [rows, row_bytes] and x float32 [T, cols]:
+    out float32 [T, rows]."""
+    rows, cols, count = blocks.shape[0], x.shape[1], x.shape[0]
+    elems = block_elems(type_id)
+    nbytes = blocks.shape[1] * elems // cols
+    group = group_size(type_id)
+    groups = elems // group
+    offset = has_offset(type_id)
+    sums = np.zeros((count, cols // group), dtype=np.float32)  # each group's sum of x, for the offsets
+    if offset:
+        for t in range(count):
+            for g in range(cols // group):
+                total = np.float32(0.0)
+                for k in range(group):
+                    total += x[t, g * group + k]
+                sums[t, g] = total
+    for item in prange((rows + ROW_BLOCK - 1) // ROW_BLOCK):
+        codes = np.zeros(elems, dtype=np.float32)
+        scales = np.zeros(groups, dtype=np.float32)
+        offsets = np.zeros(groups, dtype=np.float32)
+        acc = np.zeros(count, dtype=np.float32)
+        for r in range(item * ROW_BLOCK, min(rows, (item + 1) * ROW_BLOCK)):
+            row = blocks[r]
+            acc[:] = 0.0
+            for b in range(cols // elems):
+                decode_block(type_id, row, b * nbytes, codes, scales, offsets)
+                first = b * elems
+                for t in range(count):
+                    total = np.float32(0.0)
+                    for g in range(groups):
+                        dot = np.float32(0.0)
+                        for k in range(group):
+                            dot += codes[g * group + k] * x[t, first + g * group + k]
+                        total += scales[g] * dot
+                        if offset:
+                            total += offsets[g] * sums[t, b * groups + g]
+                    acc[t] += total
+            for t in range(count):
+                out[t, r] = acc[t]

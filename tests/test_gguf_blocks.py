@@ -1,0 +1,92 @@
+"""GGUF block types (a3b_core/kernels/gguf_blocks.py): dequantized and multiplied from their bytes, by the numba
+kernels and by the fallback (gguf-py and torch), against gguf-py's dequantization (llama.cpp's reference)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from a3b_core.errors import CheckpointError
+from a3b_core.kernels import gguf_blocks
+from a3b_core.kernels.gguf_blocks import FEW_ROWS, blocks_product, dequantize_blocks, random_blocks, row_bytes
+from a3b_core.kernels.gguf_types import BLOCK_TYPES, Q4_0, Q8_0
+from a3b_core.release.gguf_file import TENSOR_TYPES
+from tests.quantized_gguf import QUANTIZED_BY_GGUF_PY  # the others are random valid blocks
+
+
+@pytest.fixture(params=["numba", "fallback"])
+def path(request, monkeypatch):
+    """Each test runs on the numba kernels and on the fallback (numba switched off as A3B_NO_NUMBA=1 does)."""
+    if request.param == "numba":
+        if gguf_blocks.kernels() is None:
+            pytest.skip("numba is not installed or its kernels did not compile")
+    else:
+        monkeypatch.setenv("A3B_NO_NUMBA", "1")
+    return request.param
+
+
+def matrix_blocks(type_id: int, rows: int, blocks_a_row: int, seed: int) -> tuple[np.ndarray, int]:
+    """(blocks [rows, row_bytes], cols): a random matrix quantized by gguf-py where it can, else random valid blocks."""
+    generator = np.random.default_rng(seed)
+    cols = blocks_a_row * BLOCK_TYPES[type_id][1]
+    if type_id in QUANTIZED_BY_GGUF_PY:
+        weights = generator.standard_normal((rows, cols), dtype=np.float32)
+        return np.ascontiguousarray(quantize(weights, GGMLQuantizationType(type_id))), cols
+    return random_blocks(type_id, rows, cols, generator), cols
+
+
+def test_table_matches_the_file_reader():
+    for type_id, entry in BLOCK_TYPES.items():
+        assert TENSOR_TYPES[type_id] == entry
+        assert row_bytes(type_id, 2 * entry[1]) == 2 * entry[2]
+
+
+@pytest.mark.parametrize("type_id", list(BLOCK_TYPES), ids=[name for name, _, _ in BLOCK_TYPES.values()])
+@pytest.mark.parametrize("blocks_a_row", [2, 3])
+def test_dequantize_equals_gguf_py(type_id, blocks_a_row, path):
+    blocks, cols = matrix_blocks(type_id, 37, blocks_a_row, seed=type_id)
+    want = dequantize(blocks, GGMLQuantizationType(type_id))
+    got = dequantize_blocks(type_id, blocks, cols)
+    assert got.dtype == torch.float32 and got.shape == (37, cols)
+    assert np.isfinite(want).all()
+    np.testing.assert_array_equal(got.numpy(), want)
+
+
+@pytest.mark.parametrize("type_id", list(BLOCK_TYPES), ids=[name for name, _, _ in BLOCK_TYPES.values()])
+@pytest.mark.parametrize("count", [1, 3, 40])
+def test_product_equals_reference(type_id, count, path):
+    blocks, cols = matrix_blocks(type_id, 21, 3, seed=100 + type_id)  # 21 rows: a partial work item of 16
+    weights = dequantize(blocks, GGMLQuantizationType(type_id)).astype(np.float64)
+    x = torch.randn(count, cols, generator=torch.Generator().manual_seed(count))
+    want = x.double().numpy() @ weights.T
+    got = blocks_product(type_id, blocks, x)
+    assert got.dtype == torch.float32 and got.shape == (count, 21)
+    # fp32 sums of cols products: tolerance from the sums of magnitudes
+    bound = np.abs(x.double().numpy()) @ np.abs(weights).T
+    assert np.all(np.abs(got.numpy() - want) <= 1e-5 * bound + 1e-30)
+
+
+def test_kernel_row_results_do_not_depend_on_the_batch():
+    """The kernel's result for a decoding row is the same alone or among others (torch's products, the fallback, do
+    not promise this)."""
+    if gguf_blocks.kernels() is None:
+        pytest.skip("numba is not installed or its kernels did not compile")
+    blocks, cols = matrix_blocks(Q8_0, 40, 2, seed=1)
+    x = torch.randn(FEW_ROWS, cols, generator=torch.Generator().manual_seed(2))
+    together = blocks_product(Q8_0, blocks, x)
+    alone = torch.cat([blocks_product(Q8_0, blocks, x[t:t + 1]) for t in range(FEW_ROWS)])
+    assert torch.equal(together, alone)
+
+
+def test_bad_inputs_name_the_type_and_fix():
+    blocks, cols = matrix_blocks(Q4_0, 2, 2, seed=0)
+    with pytest.raises(CheckpointError, match="type id 16"):
+        dequantize_blocks(16, blocks, cols)
+    with pytest.raises(CheckpointError, match="whole blocks of 32"):
+        row_bytes(Q4_0, 48)
+    with pytest.raises(CheckpointError, match=r"\[rows, 36\]"):
+        dequantize_blocks(Q4_0, blocks[:, :30].copy(), cols)
+    with pytest.raises(ValueError, match="float32"):
+        blocks_product(Q4_0, blocks, torch.ones(1, cols, dtype=torch.float64))
