@@ -32,6 +32,7 @@ from .safetensors import drop_pages, names_under
 VISION = "model.visual."
 PROJECTOR_TYPE = "qwen3vl_merger"
 QUANTIZED_TYPES = ("Q8_0",)  # dequantized on read (gguf.quants, llama.cpp's own reference code)
+IMAGE_NORMALIZATION = (0.5, 0.5, 0.5)  # the releases' image_mean and image_std, which media.image applies
 PATCH_HALVES = ("v.patch_embd.weight", "v.patch_embd.weight.1")  # -> patch_embed.proj.weight, stacked on dim 2
 TOP = {"v.patch_embd.bias": "patch_embed.proj.bias", "v.position_embd.weight": "pos_embed.weight",
        "v.post_ln.weight": "merger.norm.weight", "v.post_ln.bias": "merger.norm.bias",
@@ -155,6 +156,12 @@ class MmprojCheckpoint:
             raise CheckpointError(f"{self.path}: the position table has {positions} rows, but image_size "
                                   f"{image_size} / patch_size {patch} implies {(image_size // patch) ** 2}. The "
                                   "metadata contradicts the tensors: convert the mmproj again.")
+        for key in ("image_mean", "image_std"):
+            value = metadata(self.reader, f"clip.vision.{key}")
+            if value is not None and not np.allclose(value, IMAGE_NORMALIZATION, atol=1e-6):
+                raise CheckpointError(f"{self.path}: clip.vision.{key} is {list(value)}, but Qwen3.5/3.6 and Qwen3-VL "
+                                      f"images are normalized with {list(IMAGE_NORMALIZATION)}: an mmproj of another "
+                                      "model. Pass the mmproj converted from the model's release.")
         if any(block >= depth for block in self.deepstack_blocks):
             raise CheckpointError(f"{self.path}: clip.vision.is_deepstack_layers marks blocks "
                                   f"{self.deepstack_blocks} of {depth}. The file is corrupt: convert it again.")
