@@ -215,3 +215,20 @@ def test_the_cli_reads_the_mmproj(pairs, tmp_path, capsys):
     assert "in 2 files" in with_vision and "in 1 files" in capsys.readouterr().out
     assert main(["plan", str(model_file), "--preset", "cpu", "--mmproj", str(mmproj)]) == 0
     assert "vision" in capsys.readouterr().out
+
+
+def test_the_loader_node_lists_and_resolves_the_mmproj_files_under_models_llm(tmp_path):
+    from nodes.model_folders import list_mmproj_files, mmproj_choices, resolve_mmproj
+    root = tmp_path / "LLM"
+    (root / "Qwen3-VL-GGUF").mkdir(parents=True)
+    for name in ("Qwen3-VL-GGUF/Qwen3-VL-30B-A3B-F16.gguf", "Qwen3-VL-GGUF/mmproj-Qwen3-VL-30B-A3B-F16.gguf",
+                 "mmproj-other.gguf", "mmproj-notes.txt"):
+        (root / name).write_bytes(b"")
+    files = ["Qwen3-VL-GGUF/mmproj-Qwen3-VL-30B-A3B-F16.gguf", "mmproj-other.gguf"]
+    assert list_mmproj_files([str(root), str(tmp_path / "missing")]) == files
+    assert mmproj_choices([str(root)]) == ["auto", "none", *files]
+    assert resolve_mmproj(files[0], [str(tmp_path), str(root)]) == str(root / files[0])
+    assert resolve_mmproj("auto", []) == "auto" and resolve_mmproj("none", []) == "none"
+    for outside in ("../mmproj-other.gguf", str(root / "mmproj-other.gguf"), "Qwen3-VL-GGUF/Qwen3-VL-30B-A3B-F16.gguf"):
+        with pytest.raises(ConfigError, match="was not found in"):
+            resolve_mmproj(outside, [str(root / "Qwen3-VL-GGUF")])
