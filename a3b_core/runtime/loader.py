@@ -20,6 +20,7 @@ from ..prompting.conversation import VIDEO_PAD, Turn, VideoTokens, tokenize
 from ..prompting.folder_template import FolderTemplate, find_chat_template
 from ..prompting.tokenizer import Tokenizer, check_against_config
 from ..release.config import ModelConfig, read_config
+from ..release.gguf_mmproj import GGUFWithVision
 from ..release.safetensors import Checkpoint
 from ..release.weights import Progress, find_prefix, load_module, move
 from . import cpu_swaps, devices
@@ -326,6 +327,8 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     family = family_of(raw_config, where_config)
     # headers only: config.json's layer counts are checked against them before any use
     ckpt = gguf.checkpoint if gguf else Checkpoint(folder)
+    # the converted-expert cache is keyed by the files holding the experts: one cache with or without the mmproj
+    experts_from = ckpt.text if isinstance(ckpt, GGUFWithVision) else ckpt
     config = family.parse_config(raw_config, where_config, family.stored_layers(ckpt))
     ckpt.fp8_block = config.fp8_block
     tokenizer = gguf.tokenizer if gguf else None
@@ -358,7 +361,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
         with torch.device("meta"):
             text = family.text_model(config.text)
         text_prefix = family.load_text(text, config.text, ckpt, dtype, progress, expert_placement,
-                                       {fmt: expert_cache_dir(ckpt, fmt) for fmt in CONVERTED_FORMATS},
+                                       {fmt: expert_cache_dir(experts_from, fmt) for fmt in CONVERTED_FORMATS},
                                        keep_fp8=plan.dense_format == FP8)
         vision, vision_prefix = None, ""
         if plan.vision_device != "none":
