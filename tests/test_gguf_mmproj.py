@@ -146,6 +146,16 @@ def test_without_an_mmproj_a_gguf_loads_text_only_and_refuses_images(pairs, tmp_
             model.encode_images(build_qwen3_vl_fixtures().square_image)
 
 
+def test_the_converted_experts_are_cached_once_with_or_without_the_mmproj(pairs, tmp_path, monkeypatch):
+    model_file, mmproj, _ = pairs["qwen3_vl"]
+    beside = side_by_side(tmp_path / "models", model_file, **{"mmproj-model-F32": mmproj})
+    monkeypatch.setenv("A3B_CACHE_DIR", str(tmp_path / "cache"))
+    for choice in ("auto", "none"):
+        model = load_model(beside, preset="cpu", compute_dtype="float32", weight_format="int8", mmproj=choice)
+        assert (model.vision is not None) == (choice == "auto") and model.plan.expert_format_cpu == "int8"
+    assert len(list((tmp_path / "cache" / "experts").iterdir())) == 1
+
+
 # ------------------------------------------------------------------------------------------------ refusals
 @pytest.mark.parametrize("family", FAMILIES)
 def test_the_mmproj_of_the_other_family_is_refused(pairs, family):

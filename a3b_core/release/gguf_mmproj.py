@@ -149,8 +149,12 @@ class MmprojCheckpoint:
     def _vision_config(self) -> dict[str, Any]:
         """The release's config.json vision_config, from the metadata and the tensors' shapes."""
         depth, patch = self._key("block_count"), self._key("patch_size")
-        positions, hidden = self.infos[VISION + "pos_embed.weight"].shape if \
-            VISION + "pos_embed.weight" in self.infos else (0, 0)
+        table = self.infos.get(VISION + "pos_embed.weight")
+        if table is None or len(table.shape) != 2:
+            raise CheckpointError(f"{self.path}: the position table 'v.position_embd.weight' is missing or not a "
+                                  "matrix; the file is incomplete or from another converter. Convert the mmproj "
+                                  "again.")
+        positions, hidden = table.shape
         image_size = self._key("image_size")
         if positions != (image_size // patch) ** 2:
             raise CheckpointError(f"{self.path}: the position table has {positions} rows, but image_size "
@@ -172,8 +176,12 @@ class MmprojCheckpoint:
             "in_channels": self.infos[VISION + "patch_embed.proj.weight"].shape[1],
             "num_position_embeddings": positions, "out_hidden_size": self._key("projection_dim"),
             # llama.cpp runs the blocks' MLP with its tanh-approximated GELU, as the releases' gelu_pytorch_tanh
-            "hidden_act": "gelu_pytorch_tanh" if metadata(self.reader, "clip.use_gelu", False) else "silu",
+            "hidden_act": "gelu_pytorch_tanh",
         }
+        if not metadata(self.reader, "clip.use_gelu", False):
+            raise CheckpointError(f"{self.path}: clip.use_gelu is not set, but Qwen3.5/3.6 and Qwen3-VL vision blocks "
+                                  "use GELU: an mmproj of another model or converter. Convert the mmproj again with "
+                                  "a current llama.cpp.")
         if hidden != config["hidden_size"]:
             raise CheckpointError(f"{self.path}: the position table is {hidden} wide but clip.vision.embedding_length "
                                   f"is {config['hidden_size']}. The file is corrupt: convert it again.")
