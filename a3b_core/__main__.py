@@ -1,7 +1,7 @@
 """Command line: `python -m a3b_core caption IMAGE...`, `caption-folder DIR`, `plan MODEL --preset 8gb [--json]`,
 `inspect MODEL`, `serve MODEL [--preset P] [--device D] [--host H] [--port P] [--api-key-env VAR]`; `caption`,
 `caption-folder` and `serve` take `--lora PATH[:STRENGTH]`, repeatable; `serve` also `--lora-module
-NAME=PATH[:STRENGTH]`."""
+NAME=PATH[:STRENGTH]`. Every command that reads a .gguf model takes `--mmproj auto|none|PATH` (its vision tower)."""
 from __future__ import annotations
 
 import argparse
@@ -28,10 +28,13 @@ MODEL_HELP = f"model folder (config.json + .safetensors), or an embedded demo mo
 LORA_HELP = ("a LoRA adapter on the model: a PEFT adapter folder (adapter_config.json + adapter_model.safetensors) or "
              "its .safetensors file, with an optional strength after the last ':' (default 1.0; 0 = off, negative "
              "inverts); repeat it for several adapters. The base weights are not changed")
+MMPROJ_HELP = ("a .gguf model's vision tower (llama.cpp's mmproj-*.gguf): auto (default) the mmproj*.gguf beside the "
+               "model file, text only if there is none; none: text only; or the mmproj file's path")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    plan = plan_for_folder(resolve_model_path(args.model), args.preset, weight_format=args.weight_format,
+    plan = plan_for_folder(resolve_model_path(args.model), args.preset, mmproj=args.mmproj,
+                           weight_format=args.weight_format,
                            dense_format=args.dense_format, kv_cache=args.kv_cache, max_context=args.max_context,
                            has_cuda=True if args.vram is not None else None,
                            gpu_free=None if args.vram is None else int(args.vram * GiB),
@@ -71,7 +74,7 @@ def lora_modules(texts: Sequence[str], model: str) -> dict[str, tuple[tuple[str,
 
 def cmd_caption(args: argparse.Namespace) -> int:
     check_image_files(args.images)
-    model = load_model(args.model, preset=args.preset, loras=loras(args.lora))
+    model = load_model(args.model, preset=args.preset, loras=loras(args.lora), mmproj=args.mmproj)
     prompt = args.prompt if args.prompt is not None else model.config.caption_prompt or DEFAULT_CAPTION_PROMPT
     for path in args.images:
         chat = model.build_prompt(user=prompt, images=model.encode_images(path, size=args.size, resize=args.resize),
@@ -94,7 +97,7 @@ def cmd_caption_folder(args: argparse.Namespace) -> int:
                     generation=GenerationOptions(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                                                  presence_penalty=0.0, seed=args.seed))
     check_job(job)  # a wrong option costs no model load
-    model = load_model(args.model, preset=args.vram_preset, loras=loras(args.lora))
+    model = load_model(args.model, preset=args.vram_preset, loras=loras(args.lora), mmproj=args.mmproj)
 
     def report(step) -> None:
         for outcome in step.outcomes:
@@ -109,7 +112,7 @@ def cmd_caption_folder(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     folder = resolve_model_path(args.model)
-    config, ckpt = model_headers(folder)
+    config, ckpt = model_headers(folder, args.mmproj)
     family = family_for(config.model_type)
     lines = [f"model: {folder}", f"family: {family.name}", *family.describe(config)]
     if config.quantization:
@@ -134,7 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     options = LoadOptions(preset=args.preset, weight_format=args.weight_format, dense_format=args.dense_format,
                           kv_cache=args.kv_cache, max_context=args.max_context, device=args.device,
-                          loras=loras(args.lora))
+                          loras=loras(args.lora), mmproj=args.mmproj)
     run(args.model, options, args.host, args.port, args.api_key_env, args.max_batch_size, args.allow_origin,
         lora_modules(args.lora_module, args.model))
     return 0
@@ -158,6 +161,11 @@ def add_lora_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora", action="append", default=[], metavar="PATH[:STRENGTH]", help=LORA_HELP)
 
 
+def add_mmproj_argument(parser: argparse.ArgumentParser) -> None:
+    """--mmproj, as every command that reads a model takes it."""
+    parser.add_argument("--mmproj", default="auto", metavar="auto|none|PATH", help=MMPROJ_HELP)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m a3b_core", description="A3B engine tools.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -179,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     caption.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default, reproducible)")
     caption.add_argument("--seed", type=int, default=0)
     add_lora_argument(caption)
+    add_mmproj_argument(caption)
     caption.set_defaults(run=cmd_caption)
 
     folder = commands.add_parser("caption-folder", help="write a caption .txt for every image in a folder (a LoRA "
@@ -218,6 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     folder.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default, reproducible)")
     folder.add_argument("--seed", type=int, default=0)
     add_lora_argument(folder)
+    add_mmproj_argument(folder)
     folder.set_defaults(run=cmd_caption_folder)
 
     plan = commands.add_parser("plan", help="show where each part of a model would live (reads headers only)")
@@ -227,10 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--vram", type=float, default=None,
                       help="free VRAM in GiB (default: this GPU's); given, it plans for a GPU even without CUDA")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    add_mmproj_argument(plan)
     plan.set_defaults(run=cmd_plan)
 
     inspect = commands.add_parser("inspect", help="summarize a model folder's config and tensors")
     inspect.add_argument("model", help=MODEL_HELP)
+    add_mmproj_argument(inspect)
     inspect.set_defaults(run=cmd_inspect)
 
     serve = commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API (/v1/chat/completions)")
@@ -250,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="a web page origin (e.g. http://localhost:3000) whose pages may send requests and read "
                             "the answers; repeat it for several (default: none, web pages are refused)")
     add_lora_argument(serve)
+    add_mmproj_argument(serve)
     serve.add_argument("--lora-module", action="append", default=[], metavar="NAME=PATH[:STRENGTH]",
                        help="also serve the model with this LoRA adapter (and any --lora ones) as the model NAME, "
                             "which requests choose with their 'model' field and /v1/models lists; repeatable")

@@ -79,3 +79,31 @@ def resolve_lora(name: str, roots: list[str]) -> str:
     raise AdapterError(f"LoRA adapter {name!r} was not found in: {searched}. Put the adapter (a folder with "
                        f"{ADAPTER_CONFIG} and {ADAPTER_WEIGHTS}, or such a .safetensors file with its {ADAPTER_CONFIG} "
                        "beside it) into models/loras/ and press 'Refresh' in ComfyUI, or pick another adapter.")
+
+
+MMPROJ_AUTO, MMPROJ_NONE = "auto", "none"  # the loader's mmproj choices besides the files found
+
+
+def list_mmproj_files(roots: list[str]) -> list[str]:
+    """Names (relative to their root, '/'-separated) of the GGUF vision projectors (mmproj*.gguf) in `roots` and
+    their subfolders."""
+    return sorted({file.relative_to(Path(root)).as_posix() for root in roots
+                   for folder in [Path(root), *subfolders(Path(root))] for file in folder.glob("*")
+                   if file.is_file() and file.suffix.lower() == ".gguf" and file.name.lower().startswith("mmproj")})
+
+
+def mmproj_choices(roots: list[str]) -> list[str]:
+    return [MMPROJ_AUTO, MMPROJ_NONE, *list_mmproj_files(roots)]
+
+
+def resolve_mmproj(name: str, roots: list[str]) -> str:
+    """load_model's mmproj for a loader choice: auto, none, or the path of a listed mmproj file (so never a path
+    outside the registered LLM folders)."""
+    if name in (MMPROJ_AUTO, MMPROJ_NONE):
+        return name
+    for root in roots:
+        if name in list_mmproj_files([root]):
+            return str(Path(root) / name)
+    searched = ", ".join(roots) or "(no LLM folder is registered)"
+    raise ConfigError(f"mmproj {name!r} was not found in: {searched}. Put the mmproj-*.gguf file beside the GGUF "
+                      "model in models/LLM/ and press 'Refresh' in ComfyUI, or pick 'auto' or 'none'.")

@@ -8,7 +8,7 @@ from a3b_core.runtime.options import (CHAT_TEMPLATES, DENSE_FORMATS, KV_FORMATS,
 
 from . import comfy_bridge as bridge
 from .comfy_bridge import io
-from .model_folders import DEMO_MODEL, loader_choices, resolve_model
+from .model_folders import DEMO_MODEL, loader_choices, mmproj_choices, resolve_mmproj, resolve_model
 from .model_handle import A3BModelHandle
 from .wires import ModelWire
 
@@ -70,6 +70,12 @@ class A3BModelLoader(io.ComfyNode):
                                        "and embeddings stay bf16. Measured on a 2-core CPU with numba (int8 / int4 "
                                        "experts alike): int8 decodes ~1.5x and int4 ~1.3x as fast as bf16, prefill "
                                        "~1.1-1.2x. Not for dense parts on a GPU."),
+                io.Combo.Input("mmproj", options=mmproj_choices(bridge.llm_roots()), default="auto", optional=True,
+                               tooltip="The vision tower of a GGUF model: llama.cpp keeps it in a separate "
+                                       "mmproj-*.gguf file. 'auto': the mmproj file beside the model (text only if "
+                                       "there is none; with several there, pick one here). 'none': text only. Or one "
+                                       "of the mmproj files in models/LLM. Model folders (safetensors) hold their "
+                                       "own vision tower: leave 'auto'."),
             ],
             outputs=[ModelWire.Output(display_name="model", tooltip="The loaded model, for Image Encode and "
                                                                    "Generate.")],
@@ -79,11 +85,11 @@ class A3BModelLoader(io.ComfyNode):
     @classmethod
     def execute(cls, model: str, vram_preset: str, weight_format: str, kv_cache: str, max_context: int,
                 keep_loaded: bool, device: str = "auto", chat_template: str = "auto",
-                dense_format: str = "auto") -> io.NodeOutput:
+                dense_format: str = "auto", mmproj: str = "auto") -> io.NodeOutput:
         path = resolve_model(model, bridge.llm_roots())
         options = LoadOptions(preset=vram_preset, weight_format=weight_format, dense_format=dense_format,
                               kv_cache=kv_cache, max_context=max_context or None, device=device,
-                              chat_template=chat_template)
+                              chat_template=chat_template, mmproj=resolve_mmproj(mmproj, bridge.llm_roots()))
         handle = A3BModelHandle(path, options, keep_loaded, loader_node=cls.hidden.unique_id)
         progress = bridge.Progress(1)
         handle.acquire(progress=lambda done, total: progress.set(done, total))

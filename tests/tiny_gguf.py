@@ -69,6 +69,8 @@ class GgufFixtures:
     vl_dense_f32: Path
     dense_qwen35_pre: Path  # dense_f32 with tokenizer.ggml.pre = qwen35 (the real Qwen3.5 pre-tokenizer regex)
     moe_mtp_f32: Path  # moe_hf plus an MTP layer (as the real releases have), converted with it (blk.4.*, nextn)
+    moe_mmproj_f32: Path  # the vision projector (--mmproj) of moe_hf: a Qwen3.5 vision tower
+    vl_moe_mmproj_f32: Path  # the vision projector of vl/moe_bf16: a Qwen3-VL vision tower with DeepStack
 
 
 # name -> (source fixture, converter arguments, tokenizer.ggml.pre written for the tiny vocabulary)
@@ -82,6 +84,8 @@ CONVERSIONS = {
     "vl_dense_f32": ("vl/dense", ["--outtype", "f32"], "gpt-2"),
     "dense_qwen35_pre": ("dense", ["--no-mtp", "--outtype", "f32"], "qwen35"),
     "moe_mtp_f32": ("moe_mtp", ["--outtype", "f32"], "gpt-2"),
+    "moe_mmproj_f32": ("moe_hf", ["--mmproj", "--outtype", "f32"], "gpt-2"),
+    "vl_moe_mmproj_f32": ("vl/moe_bf16", ["--mmproj", "--outtype", "f32"], "gpt-2"),
 }
 
 

@@ -2,8 +2,8 @@
 families' own parsers (models/<family>/config.py) check and parse as they do a release's config.json.
 
 llama.cpp's converter writes the text config's fields as `{arch}.*` keys; this is the inverse of its
-set_gguf_parameters for qwen35moe / qwen35 / qwen3vlmoe / qwen3vl. Vision (the separate mmproj file) is not read
-here: the config is text-only.
+set_gguf_parameters for qwen35moe / qwen35 / qwen3vlmoe / qwen3vl. The config is text-only: the vision_config comes
+from the separate mmproj file (gguf_mmproj.py).
 """
 from __future__ import annotations
 

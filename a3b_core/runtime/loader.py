@@ -20,12 +20,13 @@ from ..prompting.conversation import VIDEO_PAD, Turn, VideoTokens, tokenize
 from ..prompting.folder_template import FolderTemplate, find_chat_template
 from ..prompting.tokenizer import Tokenizer, check_against_config
 from ..release.config import ModelConfig, read_config
+from ..release.gguf_mmproj import GGUFWithVision
 from ..release.safetensors import Checkpoint
 from ..release.weights import Progress, find_prefix, load_module, move
 from . import cpu_swaps, devices
 from .adapters import LoraRequest, ModelAdapters
 from .forward import ForwardPass
-from .gguf_source import is_gguf, open_gguf
+from .gguf_source import MMPROJ_CHOICES, is_gguf, open_gguf
 from .generation import SharedPrefix, generate, generate_batch, prefill_prefix
 from .inputs import ChatPrompt, EncodedImages, ImageSource
 from .options import BUILT_IN_TEMPLATE, CHAT_TEMPLATES, COMPUTE_DTYPES
@@ -223,6 +224,10 @@ class A3BModel(ForwardPass):
 
     def require_vision(self) -> torch.nn.Module:
         self.require_loaded()
+        if self.vision is None and is_gguf(self.folder):
+            raise ImageError(f"{self.folder}: this GGUF model was loaded without a vision tower (no mmproj); put the "
+                             "mmproj file beside the model or pass mmproj= (the CLI's --mmproj, the loader node's "
+                             "mmproj input) to use images.")
         if self.vision is None:
             raise ImageError(f"{self.folder}: this model has no vision tower (config.json has no vision_config or "
                              "the model.visual.* weights are missing); use a vision-language model for images.")
@@ -295,7 +300,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
                weight_format: str = "auto", kv_cache: str = "auto", max_context: int | None = None,
                progress: Progress | None = None, device: str | torch.device = "auto",
                ram_budget: int | None = None, chat_template: str = "auto", dense_format: str = "auto",
-               loras: LoraRequest = ()) -> A3BModel:
+               loras: LoraRequest = (), mmproj: str | Path = "auto") -> A3BModel:
     """Loads a model folder of a supported family (models/), or an embedded demo model, as the preset's placement plan
     says, on `device` ("auto": the first CUDA GPU if there is one; "cpu"; "cuda" or "cuda:N"). The plan may use
     `ram_budget` bytes of RAM (default: what the system reports available). `chat_template` "auto" builds prompts with
@@ -303,7 +308,9 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     else with the family's built-in one; "built-in" always uses the built-in one (model.chat_template_in_use says
     which). `dense_format` int8 / int4 holds the text model's dense matrices (attention and DeltaNet projections,
     shared experts, lm_head) weight-only quantized when the CPU computes them; "auto" keeps the compute dtype.
-    `loras`: LoRA adapters to put on the model, as A3BModel.set_loras takes them.
+    `loras`: LoRA adapters to put on the model, as A3BModel.set_loras takes them. `mmproj` (a .gguf model only): its
+    vision tower, "auto" the mmproj*.gguf beside the model file (none there: text only), "none" text only, or the
+    path of the mmproj file.
 
     preset="cpu", compute_dtype="float32" keeps every weight exact and reproduces the reference implementation."""
     started = time.perf_counter()
@@ -311,12 +318,17 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
         raise ConfigError(f"chat_template {chat_template!r} is not supported; use one of: {', '.join(CHAT_TEMPLATES)} "
                           "(auto: the model folder's own template when it has one; built-in: the pack's own).")
     folder = resolve_model_path(path)
-    gguf = open_gguf(folder, with_template=chat_template == "auto") if is_gguf(folder) else None
+    if str(mmproj) not in MMPROJ_CHOICES and not is_gguf(folder):
+        raise ConfigError(f"mmproj {str(mmproj)!r} is for a .gguf model only; {folder} is a model folder, whose "
+                          "vision tower is in its own weights. Leave mmproj at 'auto'.")
+    gguf = open_gguf(folder, with_template=chat_template == "auto", mmproj=mmproj) if is_gguf(folder) else None
     raw_config = gguf.raw_config if gguf else read_config(folder)
     where_config = str(folder) if gguf else str(folder / "config.json")
     family = family_of(raw_config, where_config)
     # headers only: config.json's layer counts are checked against them before any use
     ckpt = gguf.checkpoint if gguf else Checkpoint(folder)
+    # the converted-expert cache is keyed by the files holding the experts: one cache with or without the mmproj
+    experts_from = ckpt.text if isinstance(ckpt, GGUFWithVision) else ckpt
     config = family.parse_config(raw_config, where_config, family.stored_layers(ckpt))
     ckpt.fp8_block = config.fp8_block
     tokenizer = gguf.tokenizer if gguf else None
@@ -349,7 +361,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
         with torch.device("meta"):
             text = family.text_model(config.text)
         text_prefix = family.load_text(text, config.text, ckpt, dtype, progress, expert_placement,
-                                       {fmt: expert_cache_dir(ckpt, fmt) for fmt in CONVERTED_FORMATS},
+                                       {fmt: expert_cache_dir(experts_from, fmt) for fmt in CONVERTED_FORMATS},
                                        keep_fp8=plan.dense_format == FP8)
         vision, vision_prefix = None, ""
         if plan.vision_device != "none":

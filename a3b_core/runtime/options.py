@@ -34,6 +34,7 @@ class LoadOptions:
     device: str = "auto"
     chat_template: str = "auto"
     loras: tuple[tuple[str, float], ...] = ()  # (LoRA adapter folder or .safetensors file, strength)
+    mmproj: str = "auto"  # a .gguf model's vision tower: auto (beside it), none, or the mmproj file's path
 
     def as_kwargs(self) -> dict:
         return asdict(self)

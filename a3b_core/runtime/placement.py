@@ -578,8 +578,8 @@ def _fixes(planner: _Planner, short: _NoFit, preset: str, gpu_budget: int, cpu_b
     return tips
 
 
-def plan_for_folder(folder: str | Path, preset: str = "auto", **kw) -> Plan:
-    """Plans a model folder from its config.json and safetensors headers (a .gguf file from its header); no tensor
-    data is read."""
-    config, ckpt = model_headers(Path(folder))
+def plan_for_folder(folder: str | Path, preset: str = "auto", mmproj: str | Path = "auto", **kw) -> Plan:
+    """Plans a model folder from its config.json and safetensors headers (a .gguf file from its header, and its
+    mmproj's as load_model finds it); no tensor data is read."""
+    config, ckpt = model_headers(Path(folder), mmproj)
     return make_plan(config, {name: (info.shape, info.dtype) for name, info in ckpt.infos.items()}, preset, **kw)
