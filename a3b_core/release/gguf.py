@@ -14,6 +14,7 @@ What the converter does, and what is undone here (GGUF -> HF), per architecture:
 - MTP layers (blk.N.* past block_count - nextn_predict_layers) are not exposed: the engine does not use them.
 
 The float types F32, F16 and BF16 are read; the quantized block types (Q8_0, Q4_K, ...) are refused by name.
+A set split by gguf-split is one checkpoint (gguf_split.py): any part names it, each tensor is read from its part.
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import torch
 
 from ..errors import CheckpointError
 from .gguf_file import TensorRecord, check_gguf_file
+from .gguf_split import SPLIT_KEYS, check_split_set, split_parts
 from .safetensors import drop_pages, names_under
 
 FLOAT_TYPES: dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -118,15 +120,19 @@ def open_reader(path: Path, records: list[TensorRecord]) -> Any:
 
 class GGUFCheckpoint:
     """A GGUF file's tensors under the HF release's names (model.language_model.layers.N...., lm_head.weight) and in
-    its layouts. `folder` and `files` are the .gguf file itself (messages and caches name it)."""
+    its layouts. `path` and `folder` are the .gguf file, or a split set's first part whichever part was passed
+    (messages and caches name it); `files` are all its parts."""
 
     def __init__(self, path: str | Path, fp8_block: tuple[int, int] = (128, 128)):
-        self.path = Path(path)
+        self.files = split_parts(Path(path))
+        self.path = self.files[0]
         self.folder = self.path
-        self.files = [self.path]
         self.fp8_block = fp8_block  # unused (GGUF has no FP8 blocks); kept for the loader's interface
-        records = check_gguf_file(self.path)
-        self.reader = open_reader(self.path, records)
+        part_records = [check_gguf_file(part) for part in self.files]
+        readers = [open_reader(part, records) for part, records in zip(self.files, part_records)]
+        check_split_set(self.files, [{key: metadata(r, key) for key in SPLIT_KEYS} for r in readers], part_records)
+        self.reader = readers[0]  # the first part holds all the model's metadata
+        records = [record for part in part_records for record in part]
         self.architecture = metadata(self.reader, "general.architecture")
         if self.architecture not in ARCHITECTURES:
             kind = metadata(self.reader, "general.type")
@@ -143,7 +149,7 @@ class GGUFCheckpoint:
                     "Use an F16, BF16 or F32 GGUF, or the model's safetensors release.")
         self.heads = self._linear_heads() if self.architecture.startswith("qwen35") else None
         self.infos: dict[str, GGUFTensorInfo] = self._map(records)
-        self._map_file: mmap.mmap | None = None
+        self._maps: dict[Path, mmap.mmap] = {}  # one per part, mapped when first read
         self._sorted_names: list[str] = []
 
     # ------------------------------------------------------------------------------------------- names and shapes
@@ -217,7 +223,7 @@ class GGUFCheckpoint:
         dtypes = {FLOAT_TYPES[r.type_name] for r in sources}
         dtype = torch.float32 if op in ("norm", "a_log") or len(dtypes) > 1 else dtypes.pop()
         self._check_heads(name, shape, op)
-        return GGUFTensorInfo(name, self.path, dtype, shape, sum(r.nbytes for r in sources), sources, op)
+        return GGUFTensorInfo(name, sources[0].file, dtype, shape, sum(r.nbytes for r in sources), sources, op)
 
     def _check_heads(self, name: str, shape: tuple[int, ...], op: str) -> None:
         h = self.heads
@@ -238,11 +244,12 @@ class GGUFCheckpoint:
         return name in self.infos
 
     def _stored(self, record: TensorRecord) -> torch.Tensor:
-        """A GGUF tensor as stored, in torch order, viewing the memory-mapped file (copy-on-write)."""
-        if self._map_file is None:
-            with open(self.path, "rb") as f:
-                self._map_file = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        flat = torch.frombuffer(self._map_file, dtype=torch.uint8, count=record.nbytes, offset=record.offset)
+        """A GGUF tensor as stored, in torch order, viewing its memory-mapped file (copy-on-write)."""
+        mapped = self._maps.get(record.file)
+        if mapped is None:
+            with open(record.file, "rb") as f:
+                mapped = self._maps[record.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(mapped, dtype=torch.uint8, count=record.nbytes, offset=record.offset)
         return flat.view(FLOAT_TYPES[record.type_name]).view(tuple(reversed(record.ne)))
 
     def raw(self, name: str) -> torch.Tensor:
@@ -276,10 +283,10 @@ class GGUFCheckpoint:
 
     def release(self, name: str) -> None:
         """Drops the mapped pages of a tensor that was copied out (they are read again if it is used again)."""
-        if self._map_file is None:
-            return
         for record in self.infos[name].sources:
-            drop_pages(self._map_file, record.offset, record.nbytes)
+            mapped = self._maps.get(record.file)
+            if mapped is not None:
+                drop_pages(mapped, record.offset, record.nbytes)
 
     def release_under(self, prefix: str) -> None:
         """release() for every tensor whose name starts with `prefix`."""
@@ -288,12 +295,12 @@ class GGUFCheckpoint:
             self.release(name)
 
     def close(self) -> None:
-        if self._map_file is not None:
+        for mapped in self._maps.values():
             try:
-                self._map_file.close()
+                mapped.close()
             except BufferError:  # a tensor still views it; the OS unmaps when that tensor dies
                 pass
-            self._map_file = None
+        self._maps = {}
         self.reader = None
 
 
