@@ -133,6 +133,8 @@ class GGUFCheckpoint:
         check_split_set(self.files, [{key: metadata(r, key) for key in SPLIT_KEYS} for r in readers], part_records)
         self.reader = readers[0]  # the first part holds all the model's metadata
         records = [record for part in part_records for record in part]
+        # every part's tensors as stored (torch order), for the config: the first part's reader sees only its own
+        self.stored_shapes = {record.name: tuple(reversed(record.ne)) for record in records}
         self.architecture = metadata(self.reader, "general.architecture")
         if self.architecture not in ARCHITECTURES:
             kind = metadata(self.reader, "general.type")

@@ -32,7 +32,7 @@ class GGUFSource:
 def open_gguf(path: Path, with_template: bool) -> GGUFSource:
     """Reads the file's header and metadata (no tensor data); the chat template only `with_template`."""
     checkpoint = GGUFCheckpoint(path)
-    raw_config = config_from_gguf(checkpoint.reader, str(path))
+    raw_config = config_from_gguf(checkpoint.reader, str(path), checkpoint.stored_shapes)
     tokenizer = tokenizer_from_gguf(checkpoint.reader, str(path))
     source = metadata(checkpoint.reader, TEMPLATE_KEY) if with_template else None
     template = FolderTemplate(source, path, f"GGUF {TEMPLATE_KEY}") if isinstance(source, str) else None
@@ -45,4 +45,5 @@ def model_headers(path: Path) -> tuple[ModelConfig, GGUFCheckpoint | Checkpoint]
     if not is_gguf(path):
         return load_config(path), Checkpoint(path)
     checkpoint = GGUFCheckpoint(path)
-    return parse_config(config_from_gguf(checkpoint.reader, str(path)), str(path)), checkpoint
+    raw_config = config_from_gguf(checkpoint.reader, str(path), checkpoint.stored_shapes)
+    return parse_config(raw_config, str(path)), checkpoint
