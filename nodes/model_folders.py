@@ -1,15 +1,17 @@
-"""Which model folders the loader and which LoRA adapters the LoRA node offer, and turning a chosen name back into a
-path that stays inside their folders."""
+"""Which model folders and GGUF files the loader and which LoRA adapters the LoRA node offer, and turning a chosen
+name back into a path that stays inside their folders."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from a3b_core.errors import AdapterError, ConfigError
 from a3b_core.release.adapters import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from a3b_core.release.gguf_split import is_first_part, is_split_part
 from a3b_core.runtime.loader import DEMO_MODELS
 
 DEMO_MODEL = "a3b-demo"  # the loader's default; the embedded demo models' names, which load_model resolves itself
 _MAX_DEPTH = 2  # models/LLM/<name> or models/LLM/<org>/<name> (models/loras/... alike)
+MMPROJ_PREFIX = "mmproj"  # llama.cpp's vision projector files (mmproj-*.gguf), found beside the model, not models
 
 
 def subfolders(base: Path) -> list[Path]:
@@ -26,6 +28,21 @@ def list_model_folders(roots: list[str]) -> list[str]:
     """Names (relative to their root, '/'-separated) of the folders under `roots` that hold a config.json."""
     return sorted({folder.relative_to(Path(root)).as_posix() for root in roots for folder in subfolders(Path(root))
                    if (folder / "config.json").is_file()})
+
+
+def is_model_gguf(path: Path) -> bool:
+    """A .gguf file that is a model: not a vision projector (by its name), and of a split set only the first part,
+    which stands for the whole set."""
+    name = path.name.lower()
+    return (name.endswith(".gguf") and not name.startswith(MMPROJ_PREFIX) and path.is_file()
+            and (not is_split_part(path) or is_first_part(path)))
+
+
+def list_model_ggufs(roots: list[str]) -> list[str]:
+    """Names (relative to their root, '/'-separated) of the model GGUF files in `roots` and their subfolders."""
+    return sorted({file.relative_to(Path(root)).as_posix() for root in roots
+                   for folder in [Path(root), *subfolders(Path(root))] if folder.is_dir()
+                   for file in sorted(folder.iterdir()) if is_model_gguf(file)})
 
 
 def list_lora_adapters(roots: list[str]) -> list[str]:
@@ -47,11 +64,12 @@ def list_lora_adapters(roots: list[str]) -> list[str]:
 
 
 def loader_choices(roots: list[str]) -> list[str]:
-    return list(DEMO_MODELS) + list_model_folders(roots)
+    return list(DEMO_MODELS) + sorted(list_model_folders(roots) + list_model_ggufs(roots))
 
 
 def resolve_model(name: str, roots: list[str]) -> str:
-    """The path (or the demo name) for a loader choice; never a path outside the registered LLM folders."""
+    """The path (or the demo name) for a loader choice (a model folder or GGUF file); never a path outside the
+    registered LLM folders."""
     if name in DEMO_MODELS:
         return name
     candidate = Path(name)
@@ -60,13 +78,14 @@ def resolve_model(name: str, roots: list[str]) -> str:
                           "list; absolute paths and '..' are not accepted.")
     for root in roots:
         # Lexically inside the root (no '..', not absolute); a symlinked model folder the user placed there is fine.
-        folder = Path(root) / candidate
-        if (folder / "config.json").is_file():
-            return str(folder)
+        path = Path(root) / candidate
+        if (path / "config.json").is_file() or is_model_gguf(path):
+            return str(path)
     searched = ", ".join(roots) or "(no LLM folder is registered)"
-    raise ConfigError(f"model folder {name!r} was not found (or has no config.json) in: {searched}. Put the model "
-                      "folder (config.json, tokenizer.json and the *.safetensors files) into models/LLM/ and press "
-                      "'Refresh' in ComfyUI, or pick another model.")
+    raise ConfigError(f"model {name!r} was not found (a folder with config.json, or a model .gguf file) in: "
+                      f"{searched}. Put the model folder (config.json, tokenizer.json and the *.safetensors files) "
+                      "or the .gguf file (a split set: all its parts) into models/LLM/ and press 'Refresh' in "
+                      "ComfyUI, or pick another model.")
 
 
 def resolve_lora(name: str, roots: list[str]) -> str:

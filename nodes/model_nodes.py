@@ -32,7 +32,9 @@ class A3BModelLoader(io.ComfyNode):
             inputs=[
                 io.Combo.Input("model", options=loader_choices(bridge.llm_roots()), default=DEMO_MODEL,
                                tooltip="A model folder in ComfyUI/models/LLM (config.json, tokenizer.json and "
-                                       "*.safetensors, as released), or a small built-in demo model: 'a3b-demo' "
+                                       "*.safetensors, as released), a .gguf model file there (F32/F16/BF16; a "
+                                       "split set is listed by its first part and needs all its parts beside it; "
+                                       "mmproj files are not listed), or a small built-in demo model: 'a3b-demo' "
                                        "(BF16) or 'a3b-demo-fp8' (the official FP8 layout)."),
                 io.Combo.Input("vram_preset", options=list(PRESET_NAMES), default="auto",
                                tooltip="GPU memory the model may use. 'auto' measures the free VRAM (other models "

@@ -20,8 +20,8 @@ from nodes import comfy_bridge
 from nodes.generation import generate_answers, speed_line
 from nodes.image_batch import encode_image_batch
 from nodes.live_text import LiveText
-from nodes.model_folders import (DEMO_MODEL, list_lora_adapters, list_model_folders, loader_choices, resolve_lora,
-                                 resolve_model)
+from nodes.model_folders import (DEMO_MODEL, list_lora_adapters, list_model_folders, list_model_ggufs, loader_choices,
+                                 resolve_lora, resolve_model)
 from nodes.model_handle import A3BModelHandle, preset_budget_bytes
 from nodes.prompt_spec import PromptSpec, build_prompts
 from nodes.remote_handle import RemoteModelHandle
@@ -77,6 +77,56 @@ def test_resolve_model_refuses_names_that_leave_the_llm_folders(tmp_path: Path, 
 def test_resolve_model_names_the_searched_folders_when_missing(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=f"was not found .* in: {tmp_path}"):
         resolve_model("Qwen3.5-35B-A3B", [str(tmp_path)])
+
+
+def _gguf(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"GGUF")
+    return path
+
+
+def test_gguf_files_are_listed_without_mmproj_and_later_split_parts(tmp_path: Path) -> None:
+    root = tmp_path / "LLM"
+    _gguf(root / "Qwen3.5-35B-A3B-BF16.gguf")
+    _gguf(root / "unsloth" / "Qwen3.6-35B-A3B-GGUF" / "Qwen3.6-35B-A3B-F16.gguf")
+    _gguf(root / "unsloth" / "Qwen3.6-35B-A3B-GGUF" / "mmproj-F16.gguf")
+    _gguf(root / "unsloth" / "Qwen3.6-35B-A3B-GGUF" / "MMPROJ-BF16.gguf")
+    for part in (1, 2, 3):
+        _gguf(root / "BF16" / f"Qwen3.5-35B-A3B-BF16-{part:05d}-of-00003.gguf")
+    (root / "folder.gguf").mkdir()
+    (root / "notes.txt").write_text("")
+    _model(root / "Qwen3.5-27B")
+    expected = ["BF16/Qwen3.5-35B-A3B-BF16-00001-of-00003.gguf", "Qwen3.5-35B-A3B-BF16.gguf",
+                "unsloth/Qwen3.6-35B-A3B-GGUF/Qwen3.6-35B-A3B-F16.gguf"]
+    assert list_model_ggufs([str(root), str(tmp_path / "missing")]) == expected
+    assert loader_choices([str(root)])[2:] == sorted(expected + ["Qwen3.5-27B"])
+    for name in expected:
+        assert resolve_model(name, [str(root)]) == str(root / name)
+
+
+@pytest.mark.parametrize("name", ["unsloth/mmproj-F16.gguf", "BF16/m-00002-of-00003.gguf", "folder.gguf",
+                                  "../outside.gguf"])
+def test_resolve_model_refuses_gguf_files_the_loader_does_not_list(tmp_path: Path, name: str) -> None:
+    root = tmp_path / "LLM"
+    _gguf(root / "unsloth" / "mmproj-F16.gguf")
+    _gguf(root / "BF16" / "m-00002-of-00003.gguf")
+    _gguf(tmp_path / "outside.gguf")
+    (root / "folder.gguf").mkdir()
+    with pytest.raises(ConfigError, match="not a folder name under models/LLM|was not found"):
+        resolve_model(name, [str(root)])
+
+
+def test_the_loader_loads_a_listed_gguf(tmp_path: Path, one_thread) -> None:
+    from tests.tiny_gguf import build_gguf_fixtures
+    files = build_gguf_fixtures()
+    if files is None:
+        pytest.skip("llama.cpp's converter could not be downloaded with pip, so no GGUF files can be made")
+    root = tmp_path / "LLM"
+    (root / "tiny").mkdir(parents=True)
+    shutil.copyfile(files.dense_f32, root / "tiny" / "dense-F32.gguf")
+    (name,) = list_model_ggufs([str(root)])
+    model = load_model(resolve_model(name, [str(root)]), preset="cpu", compute_dtype="float32")
+    assert model.logits(torch.tensor([[1, 2, 3]])).shape[:2] == (1, 3)
 
 
 # --- LoRA adapters -----------------------------------------------------------------------------------------------

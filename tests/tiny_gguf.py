@@ -63,7 +63,7 @@ class GgufFixtures:
     moe_f32: Path  # from tiny_models' moe_hf (Qwen3.5-MoE, per-expert safetensors)
     moe_fused_exps_f32: Path  # the same, converted with --fuse-gate-up-exps (ffn_gate_up_exps)
     moe_bf16: Path
-    moe_q8_0: Path  # a block type the GGUF checkpoint refuses
+    moe_q8_0: Path  # every matrix Q8_0, as the converter's --outtype q8_0 writes it
     dense_f32: Path  # from tiny_models' dense (Qwen3.5 dense)
     vl_moe_f32: Path  # from tiny_qwen3_vl's moe_bf16 (Qwen3-VL-MoE in the official transposed layout)
     vl_dense_f32: Path

@@ -16,14 +16,15 @@ What the converter does, and what is undone here (GGUF -> HF), per architecture:
 Tensors are read in the float types F32, F16 and BF16 and in the block types of gguf_file.READ_BLOCK_TYPES (Q8_0,
 Q4_K, Q6_K, ...): a block-quantized tensor's TensorInfo.dtype is its gguf_file.BlockType, `blocks_at` gives a routed
 expert's matrices as their blocks (the engine computes them from those), and everything else is dequantized when
-read (by gguf-py, llama.cpp's own reference). Other types (the I-quants, ...) are refused by name.
+read (by gguf-py, llama.cpp's own reference). Other types (most I-quants, ...) are refused by name.
+A set split by gguf-split is one checkpoint (gguf_split.py): any part names it, each tensor is read from its part.
 """
 from __future__ import annotations
 
 import math
 import mmap
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ import torch
 
 from ..errors import CheckpointError
 from .gguf_file import BLOCK_TYPES, BlockType, TensorRecord, check_gguf_file
+from .gguf_split import SPLIT_KEYS, check_split_set, split_parts
 from .safetensors import drop_pages, names_under
 
 FLOAT_TYPES: dict[str, torch.dtype] = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
@@ -123,15 +125,21 @@ def open_reader(path: Path, records: list[TensorRecord]) -> Any:
 
 class GGUFCheckpoint:
     """A GGUF file's tensors under the HF release's names (model.language_model.layers.N...., lm_head.weight) and in
-    its layouts. `folder` and `files` are the .gguf file itself (messages and caches name it)."""
+    its layouts. `path` and `folder` are the .gguf file, or a split set's first part whichever part was passed
+    (messages and caches name it); `files` are all its parts."""
 
     def __init__(self, path: str | Path, fp8_block: tuple[int, int] = (128, 128)):
-        self.path = Path(path)
+        self.files = split_parts(Path(path))
+        self.path = self.files[0]
         self.folder = self.path
-        self.files = [self.path]
         self.fp8_block = fp8_block  # unused (GGUF has no FP8 blocks); kept for the loader's interface
-        records = check_gguf_file(self.path)
-        self.reader = open_reader(self.path, records)
+        part_records = [check_gguf_file(part) for part in self.files]
+        readers = [open_reader(part, records) for part, records in zip(self.files, part_records)]
+        check_split_set(self.files, [{key: metadata(r, key) for key in SPLIT_KEYS} for r in readers], part_records)
+        self.reader = readers[0]  # the first part holds all the model's metadata
+        records = [record for part in part_records for record in part]
+        # every part's tensors as stored (torch order), for the config: the first part's reader sees only its own
+        self.stored_shapes = {record.name: tuple(reversed(record.ne)) for record in records}
         self.architecture = metadata(self.reader, "general.architecture")
         if self.architecture not in ARCHITECTURES:
             kind = metadata(self.reader, "general.type")
@@ -148,7 +156,7 @@ class GGUFCheckpoint:
                     "those (Q4_K_M, Q5_K_M, Q6_K, Q8_0, F16, ...), or the model's safetensors release.")
         self.heads = self._linear_heads() if self.architecture.startswith("qwen35") else None
         self.infos: dict[str, GGUFTensorInfo] = self._map(records)
-        self._map_file: mmap.mmap | None = None
+        self.tensors = MappedTensors()
         self._sorted_names: list[str] = []
 
     # ------------------------------------------------------------------------------------------- names and shapes
@@ -228,7 +236,7 @@ class GGUFCheckpoint:
         else:
             dtype = dtypes.pop()
         self._check_heads(name, shape, op)
-        return GGUFTensorInfo(name, self.path, dtype, shape, sum(r.nbytes for r in sources), sources, op)
+        return GGUFTensorInfo(name, sources[0].file, dtype, shape, sum(r.nbytes for r in sources), sources, op)
 
     def _check_heads(self, name: str, shape: tuple[int, ...], op: str) -> None:
         h = self.heads
@@ -248,29 +256,6 @@ class GGUFCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.infos
 
-    def _stored(self, record: TensorRecord) -> torch.Tensor:
-        """A GGUF tensor as stored, in torch order, viewing the memory-mapped file (copy-on-write): a float tensor, or
-        a block-quantized one's bytes [..., rows, bytes per row]."""
-        if self._map_file is None:
-            with open(self.path, "rb") as f:
-                self._map_file = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        flat = torch.frombuffer(self._map_file, dtype=torch.uint8, count=record.nbytes, offset=record.offset)
-        shape = tuple(reversed(record.ne))
-        block_type = BLOCK_TYPES.get(record.type_name)
-        if block_type is not None:
-            return flat.view(*shape[:-1], block_type.row_bytes(shape[-1]))
-        return flat.view(FLOAT_TYPES[record.type_name]).view(shape)
-
-    def _float(self, record: TensorRecord, index: int | None = None) -> torch.Tensor:
-        """A GGUF tensor (or its matrix `index`) in a float dtype: as stored, or dequantized to fp32."""
-        stored = self._stored(record)
-        stored = stored if index is None else stored[index]
-        if record.type_name in FLOAT_TYPES:
-            return stored
-        import gguf  # llama.cpp's reference dequantization
-        values = gguf.quants.dequantize(stored.numpy(), gguf.GGMLQuantizationType(record.type_id))
-        return torch.from_numpy(values)
-
     def raw(self, name: str) -> torch.Tensor:
         """The tensor as the HF release has it: a view of the mapped file where the converter only renamed it, else
         a new tensor with the converter's change undone."""
@@ -279,7 +264,7 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.path}: tensor '{name}' is missing (this GGUF has no "
                                   f"{name.removeprefix(TEXT)}). The file is incomplete or of another model: "
                                   "download it again.")
-        parts = [self._float(r) for r in info.sources]
+        parts = [self.tensors.as_float(r) for r in info.sources]
         if info.op == "cat":
             dtype = info.dtype if isinstance(info.dtype, torch.dtype) else torch.float32
             return torch.cat([p.to(dtype) for p in parts], dim=1)
@@ -298,7 +283,7 @@ class GGUFCheckpoint:
         """Matrix `index` of a stacked tensor [N, rows, cols] (fused experts) in `dtype`."""
         info = self.infos.get(name)
         if info is not None and info.op in ("cat", "copy"):
-            return torch.cat([self._float(r, index).to(dtype) for r in info.sources])
+            return torch.cat([self.tensors.as_float(r, index).to(dtype) for r in info.sources])
         return self.raw(name)[index].to(dtype)
 
     def blocks_at(self, name: str, index: int) -> tuple[tuple[BlockType, torch.Tensor], ...] | None:
@@ -307,14 +292,11 @@ class GGUFCheckpoint:
         info = self.infos[name]
         if not isinstance(info.dtype, BlockType) or len(info.shape) != 3:
             return None
-        return tuple((BLOCK_TYPES[r.type_name], self._stored(r)[index]) for r in info.sources)
+        return tuple((BLOCK_TYPES[r.type_name], self.tensors.stored(r)[index]) for r in info.sources)
 
     def release(self, name: str) -> None:
         """Drops the mapped pages of a tensor that was copied out (they are read again if it is used again)."""
-        if self._map_file is None:
-            return
-        for record in self.infos[name].sources:
-            drop_pages(self._map_file, record.offset, record.nbytes)
+        self.tensors.release(self.infos[name].sources)
 
     def release_under(self, prefix: str) -> None:
         """release() for every tensor whose name starts with `prefix`."""
@@ -323,13 +305,55 @@ class GGUFCheckpoint:
             self.release(name)
 
     def close(self) -> None:
-        if self._map_file is not None:
+        self.tensors.close()
+        self.reader = None
+
+
+class MappedTensors:
+    """GGUF tensors read from their files' memory maps (copy-on-write; one map per file, a split set's parts
+    included, made when first read)."""
+
+    def __init__(self) -> None:
+        self._maps: dict[Path, mmap.mmap] = {}
+
+    def stored(self, record: TensorRecord) -> torch.Tensor:
+        """The tensor as stored, in torch order, viewing the map: a float tensor, or a block-quantized one's bytes
+        [..., rows, bytes per row]."""
+        mapped = self._maps.get(record.file)
+        if mapped is None:
+            with open(record.file, "rb") as f:
+                mapped = self._maps[record.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(mapped, dtype=torch.uint8, count=record.nbytes, offset=record.offset)
+        shape = tuple(reversed(record.ne))
+        block_type = BLOCK_TYPES.get(record.type_name)
+        if block_type is not None:
+            return flat.view(*shape[:-1], block_type.row_bytes(shape[-1]))
+        return flat.view(FLOAT_TYPES[record.type_name]).view(shape)
+
+    def as_float(self, record: TensorRecord, index: int | None = None) -> torch.Tensor:
+        """The tensor (or its matrix `index`) in a float dtype: as stored, or dequantized to float32 by gguf-py
+        (llama.cpp's reference)."""
+        stored = self.stored(record)
+        stored = stored if index is None else stored[index]
+        if record.type_name in FLOAT_TYPES:
+            return stored
+        import gguf
+        return torch.from_numpy(gguf.quants.dequantize(stored.numpy(), gguf.GGMLQuantizationType(record.type_id)))
+
+    def release(self, records: Iterable[TensorRecord]) -> None:
+        """Drops the mapped pages of tensors that were copied out (they are read again if used again)."""
+        for record in records:
+            mapped = self._maps.get(record.file)
+            if mapped is not None:
+                drop_pages(mapped, record.offset, record.nbytes)
+
+    def close(self) -> None:
+        for mapped in self._maps.values():
             try:
-                self._map_file.close()
+                mapped.close()
             except BufferError:  # a tensor still views it; the OS unmaps when that tensor dies
                 pass
-            self._map_file = None
-        self.reader = None
+        self._maps = {}
 
 
 def halves_type(first: BlockType, second: BlockType) -> BlockType:

@@ -29,8 +29,11 @@ def short_float(value: float) -> float:
     return float(np.format_float_positional(np.float32(value), unique=True, trim="-"))
 
 
-def config_from_gguf(reader: Any, where: str = "GGUF") -> dict:
-    """The config.json-like object of a GGUF file read by gguf.GGUFReader (`where` names it in messages)."""
+def config_from_gguf(reader: Any, where: str = "GGUF",
+                     stored_shapes: dict[str, tuple[int, ...]] | None = None) -> dict:
+    """The config.json-like object of a GGUF file read by gguf.GGUFReader (`where` names it in messages).
+    `stored_shapes`: the tensors' names and shapes (torch order) where the reader sees only some of them (a split
+    set's first part); by default the reader's."""
     arch = metadata(reader, "general.architecture")
     if arch not in MODEL_TYPES:
         raise ConfigError(f"{where}: GGUF architecture {arch!r} is not supported; this pack reads "
@@ -45,7 +48,8 @@ def config_from_gguf(reader: Any, where: str = "GGUF") -> dict:
             return default
         return value
 
-    tensors = {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
+    tensors = stored_shapes if stored_shapes is not None else \
+        {t.name: tuple(int(d) for d in reversed(t.shape)) for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ConfigError(f"{where}: has no 'token_embd.weight' tensor, so it holds no language model (an MTP-only "
                           "draft or a vision projector?). Pass the model's own GGUF file.")

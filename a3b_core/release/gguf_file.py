@@ -69,6 +69,7 @@ class TensorRecord:
     ne: tuple[int, ...]  # ggml order: the fastest dimension first
     offset: int  # absolute byte offset in the file
     nbytes: int
+    file: Path  # the file it is in (a split set's part)
 
     @property
     def type_name(self) -> str:
@@ -178,7 +179,7 @@ def _walk(path: Path, buf: mmap.mmap, size: int) -> list[TensorRecord]:
         if ne[0] % block:
             raise CheckpointError(f"{path}: tensor '{name}' ({TENSOR_TYPES[type_id][0]}) has rows of {ne[0]} values, "
                                   f"not a multiple of its block of {block}. {REDOWNLOAD}")
-        records.append(TensorRecord(name, type_id, ne, offset, numel // block * block_bytes))
+        records.append(TensorRecord(name, type_id, ne, offset, numel // block * block_bytes, path))
     data_start = -(-cur.pos // alignment) * alignment
     spans = []
     for r in records:
@@ -195,7 +196,7 @@ def _walk(path: Path, buf: mmap.mmap, size: int) -> list[TensorRecord]:
         if start_b < end_a:
             raise CheckpointError(f"{path}: tensors '{name_a}' and '{name_b}' overlap in the file; it is corrupt or "
                                   "crafted. Download it again from the model's release.")
-    return [TensorRecord(r.name, r.type_id, r.ne, data_start + r.offset, r.nbytes) for r in records]
+    return [TensorRecord(r.name, r.type_id, r.ne, data_start + r.offset, r.nbytes, path) for r in records]
 
 
 def _skip_value(cur: _Cursor, kind: int, what: str, depth: int) -> None:

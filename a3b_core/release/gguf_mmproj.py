@@ -11,11 +11,11 @@ these changes, undone here (GGUF -> HF):
   v.deepstack.B, B being the block that DeepStack level K reads (clip.vision.is_deepstack_layers marks them).
 - every other tensor is only renamed (qkv stays fused; the position table, norms and biases are kept as they are).
 
-The float types F32, F16 and BF16 are read as stored; Q8_0 matrices are dequantized to float32 when read.
+The float types F32, F16 and BF16 are read as stored; block-quantized matrices (Q8_0, ...: the types a GGUF model's
+tensors are read in) are dequantized to float32 when read.
 """
 from __future__ import annotations
 
-import mmap
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,13 +25,12 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from .gguf import FLOAT_TYPES, GGUFCheckpoint, metadata, open_reader
-from .gguf_file import TensorRecord, check_gguf_file
-from .safetensors import drop_pages, names_under
+from .gguf import FLOAT_TYPES, GGUFCheckpoint, MappedTensors, metadata, open_reader
+from .gguf_file import BLOCK_TYPES, TensorRecord, check_gguf_file
+from .safetensors import names_under
 
 VISION = "model.visual."
 PROJECTOR_TYPE = "qwen3vl_merger"
-QUANTIZED_TYPES = ("Q8_0",)  # dequantized on read (gguf.quants, llama.cpp's own reference code)
 IMAGE_NORMALIZATION = (0.5, 0.5, 0.5)  # the releases' image_mean and image_std, which media.image applies
 PATCH_HALVES = ("v.patch_embd.weight", "v.patch_embd.weight.1")  # -> patch_embed.proj.weight, stacked on dim 2
 TOP = {"v.patch_embd.bias": "patch_embed.proj.bias", "v.position_embd.weight": "pos_embed.weight",
@@ -79,14 +78,14 @@ class MmprojCheckpoint:
                                   "and Qwen3-VL): an mmproj of another model. Pass the mmproj converted from the "
                                   "same release as the model, or mmproj='none' for text only.")
         for record in records:
-            if record.type_name not in FLOAT_TYPES and record.type_name not in QUANTIZED_TYPES:
+            if record.type_name not in FLOAT_TYPES and record.type_name not in BLOCK_TYPES:
                 raise CheckpointError(
                     f"{self.path}: tensor '{record.name}' is stored as {record.type_name}; mmproj tensors are read in "
-                    f"{', '.join([*FLOAT_TYPES, *QUANTIZED_TYPES])}. Use an F16, BF16 or F32 mmproj.")
+                    f"{', '.join([*FLOAT_TYPES, *BLOCK_TYPES])}. Use an F16, BF16 or F32 mmproj.")
         self.deepstack_blocks = self._deepstack_blocks()
         self.infos: dict[str, MmprojTensorInfo] = self._map(records)
         self.vision_config = self._vision_config()
-        self._map_file: mmap.mmap | None = None
+        self.tensors = MappedTensors()
         self._sorted_names: list[str] = []
 
     # ------------------------------------------------------------------------------------------- names and config
@@ -214,21 +213,6 @@ class MmprojCheckpoint:
     def __contains__(self, name: str) -> bool:
         return name in self.infos
 
-    def _stored(self, record: TensorRecord) -> torch.Tensor:
-        """A GGUF tensor in torch order: a view of the memory-mapped file (copy-on-write) for float types, a new
-        float32 tensor for Q8_0."""
-        if self._map_file is None:
-            with open(self.path, "rb") as f:
-                self._map_file = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        flat = torch.frombuffer(self._map_file, dtype=torch.uint8, count=record.nbytes, offset=record.offset)
-        shape = tuple(reversed(record.ne))
-        if record.type_name in FLOAT_TYPES:
-            return flat.view(FLOAT_TYPES[record.type_name]).view(shape)
-        import gguf  # llama.cpp's reference dequantization (PyPI gguf), as GGUFCheckpoint's reader
-        blocks = flat.numpy().reshape(*shape[:-1], -1)
-        values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[record.type_name])
-        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).view(shape)
-
     def raw(self, name: str) -> torch.Tensor:
         """The tensor as the HF release has it (the patch embedding's halves stacked again)."""
         info = self.infos.get(name)
@@ -236,7 +220,7 @@ class MmprojCheckpoint:
             raise CheckpointError(f"{self.path}: tensor '{name}' is missing (this mmproj has no "
                                   f"{name.removeprefix(VISION)}). The file is incomplete or of another model: "
                                   "convert the mmproj again.")
-        parts = [self._stored(r).to(info.dtype) for r in info.sources]
+        parts = [self.tensors.as_float(r).to(info.dtype) for r in info.sources]
         return torch.stack(parts, dim=2) if len(parts) == 2 else parts[0]
 
     def weight(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -251,10 +235,7 @@ class MmprojCheckpoint:
         return self.raw(name)[index].to(dtype)
 
     def release(self, name: str) -> None:
-        if self._map_file is None:
-            return
-        for record in self.infos[name].sources:
-            drop_pages(self._map_file, record.offset, record.nbytes)
+        self.tensors.release(self.infos[name].sources)
 
     def release_under(self, prefix: str) -> None:
         self._sorted_names = self._sorted_names or sorted(self.infos)
@@ -262,12 +243,7 @@ class MmprojCheckpoint:
             self.release(name)
 
     def close(self) -> None:
-        if self._map_file is not None:
-            try:
-                self._map_file.close()
-            except BufferError:  # a tensor still views it; the OS unmaps when that tensor dies
-                pass
-            self._map_file = None
+        self.tensors.close()
         self.reader = None
 
 

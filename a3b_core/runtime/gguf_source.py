@@ -69,7 +69,7 @@ def open_gguf(path: Path, with_template: bool, mmproj: str | Path = "auto") -> G
     """Reads the file's header and metadata (no tensor data), and the mmproj's; the chat template only
     `with_template`."""
     text = GGUFCheckpoint(path)
-    raw_config = config_from_gguf(text.reader, str(path))
+    raw_config = config_from_gguf(text.reader, str(path), text.stored_shapes)
     tokenizer = tokenizer_from_gguf(text.reader, str(path))
     source = metadata(text.reader, TEMPLATE_KEY) if with_template else None
     template = FolderTemplate(source, path, f"GGUF {TEMPLATE_KEY}") if isinstance(source, str) else None
@@ -84,6 +84,6 @@ def model_headers(path: Path, mmproj: str | Path = "auto") -> tuple[ModelConfig,
     if not is_gguf(path):
         return load_config(path), Checkpoint(path)
     text = GGUFCheckpoint(path)
-    raw_config = config_from_gguf(text.reader, str(path))
+    raw_config = config_from_gguf(text.reader, str(path), text.stored_shapes)
     checkpoint, _ = with_vision(path, text, raw_config, mmproj)
     return parse_config(raw_config, str(path)), checkpoint
