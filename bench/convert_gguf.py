@@ -3,8 +3,9 @@
     python bench/convert_gguf.py LLAMA_CPP_TREE MODEL_DIR OUT.gguf
 
 The random model has no tokenizer, so the converter's Qwen3.5-MoE class is told to take its vocabulary from the
-tree's `models/ggml-vocab-llama-spm.gguf` (exactly 32000 tokens, the bench model's vocabulary size); llama-bench
-feeds random token ids, so which words they are does not matter. Written as BF16, without the (absent) MTP block.
+tree's `models/ggml-vocab-qwen2.gguf`: Qwen2's byte-level BPE cut to the bench model's 32,000 tokens (the merges
+that make them kept; the last two ids are the chat tokens <|im_start|> and <|im_end|>), so that our engine reads it as it reads a Qwen GGUF's. llama-bench feeds random token ids, so
+which words they are does not matter. Written as BF16, without the (absent) MTP block.
 """
 from __future__ import annotations
 
@@ -20,7 +21,20 @@ def main() -> None:
     from conversion.qwen import Qwen3_5MoeTextModel
 
     def builtin_vocab(self) -> None:
-        self._set_vocab_builtin("llama-spm", self.hparams["vocab_size"])
+        import gguf
+        size = self.hparams["vocab_size"]
+        reader = gguf.GGUFReader(tree / "models" / "ggml-vocab-qwen2.gguf")
+        chat = ["<|im_start|>", "<|im_end|>"]  # the control tokens our engine's prompts need, as the last ids
+        tokens = reader.fields[gguf.Keys.Tokenizer.LIST].contents()[:size - len(chat)] + chat
+        types = reader.fields[gguf.Keys.Tokenizer.TOKEN_TYPE].contents()[:size - len(chat)] + [3] * len(chat)
+        known = set(tokens)
+        merges = [m for m in reader.fields[gguf.Keys.Tokenizer.MERGES].contents()
+                  if m.replace(" ", "", 1) in known and all(part in known for part in m.split(" ", 1))]
+        self.gguf_writer.add_tokenizer_model("gpt2")
+        self.gguf_writer.add_tokenizer_pre("qwen2")
+        self.gguf_writer.add_token_list(tokens)
+        self.gguf_writer.add_token_types(types)
+        self.gguf_writer.add_token_merges(merges)
 
     Qwen3_5MoeTextModel.set_vocab = builtin_vocab
     sys.argv = ["convert_hf_to_gguf.py", str(model_dir), "--outfile", str(out_file), "--outtype", "bf16", "--no-mtp"]

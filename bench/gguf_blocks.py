@@ -1,5 +1,5 @@
 """One activation row times a GGUF block-quantized matrix on the CPU: the numba kernel reading the blocks
-(kernels/gguf_numba.py product_rows) against torch's bf16 matrix-vector product of the same matrix dequantized
+(kernels/gguf_blocks.py blocks_product: the activation's coding and the call included) against torch's bf16 matrix-vector product of the same matrix dequantized
 (torch.nn.functional.linear), in GB/s of the bytes each reads, and the ratio of their times.
 
     python bench/gguf_blocks.py                      # every computed type, 2048 x 2048, 2 threads
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: a3b_core
 
-from a3b_core.kernels.gguf_blocks import compiled_kernels, dequantize_blocks, random_blocks  # noqa: E402
+from a3b_core.kernels.gguf_blocks import blocks_product, compiled_kernels, dequantize_blocks, random_blocks  # noqa: E402
 from a3b_core.kernels.gguf_types import BLOCK_TYPES  # noqa: E402
 
 
@@ -80,12 +80,11 @@ def main() -> None:
         type_id = ids[name]
         blocks = random_blocks(type_id, args.size, args.size, generator)
         weight = dequantize_blocks(type_id, blocks, args.size).bfloat16()
-        x = np.random.default_rng(1).standard_normal((1, args.size), dtype=np.float32)
-        out = np.empty((1, args.size), dtype=np.float32)
-        x_bf16 = torch.from_numpy(x).bfloat16()
+        x = torch.from_numpy(np.random.default_rng(1).standard_normal((1, args.size), dtype=np.float32))
+        x_bf16 = x.bfloat16()
         kernel_times, torch_times = [], []
         for _ in range(args.rounds // 20):  # interleaved rounds of 20 calls each
-            kernel_times += timed(lambda: kernels.product_rows(type_id, blocks, x, out), 20)
+            kernel_times += timed(lambda: blocks_product(type_id, blocks, x), 20)
             torch_times += timed(lambda: F.linear(x_bf16, weight), 20)
         kernel_s, torch_s = statistics.median(kernel_times), statistics.median(torch_times)
         print(f"{name:8} {kernel_s * 1e6:10.1f} {blocks.nbytes / kernel_s / 1e9:6.2f} {torch_s * 1e6:9.1f} "

@@ -63,7 +63,8 @@ def logits(path: Path, weight_format: str, compute_dtype: str = "float32") -> tu
 def test_experts_in_their_blocks_give_the_dequantized_files_logits(quantized, name, one_thread):
     blocks, model = logits(quantized[name], "gguf")
     dequantized, _ = logits(quantized[name], "fp32")  # every weight dequantized at load by gguf-py
-    torch.testing.assert_close(blocks, dequantized, rtol=0, atol=1e-4)
+    # Q4_K, Q6_K and Q8_0 products code the activations as int16 (each off by 1/65534 of its group's largest |x|)
+    torch.testing.assert_close(blocks, dequantized, rtol=0, atol=1e-3)
     ckpt = GGUFCheckpoint(quantized[name])
     for index, layer in enumerate(model.text.layers):
         experts = layer.mlp.experts
@@ -91,7 +92,9 @@ def test_auto_keeps_the_blocks_and_the_plan_names_their_types(quantized, one_thr
     assert "GGUF file's blocks (IQ4_NL, IQ4_XS, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q8_0)" in note
     assert model.text.layers[0].mlp.experts.fmt == "gguf"
     exact, _ = logits(quantized["moe_f32"], "fp32", "bfloat16")  # fp32 experts: the dequantized weights
-    torch.testing.assert_close(auto, exact, rtol=0, atol=3e-2)  # two bf16 steps of logits near 4
+    # bf16 activations between layers, rounded at different places by the two paths: 2% relative RMS
+    assert ((auto - exact).norm() / exact.norm()).item() < 2e-2
+    assert (auto - exact).abs().max().item() < 0.1
 
 
 def test_other_formats_are_made_from_the_dequantized_blocks(quantized, one_thread):

@@ -99,7 +99,7 @@ def check_kernels(gguf_numba: ModuleType) -> None:
         if not np.array_equal(got, want):
             raise ValueError(f"{BLOCK_TYPES[type_id][0]} blocks dequantize differently from gguf-py")
         product = np.empty((1, 2), dtype=np.float32)
-        gguf_numba.product_rows(type_id, blocks, x[:, :cols], product)
+        numba_product(gguf_numba, type_id, blocks, np.ascontiguousarray(x[:, :cols]), product)
         reference = x[:, :cols].astype(np.float64) @ want.T.astype(np.float64)
         if not np.allclose(product, reference, rtol=1e-4, atol=1e-4 * np.abs(reference).max()):
             raise ValueError(f"the product of {BLOCK_TYPES[type_id][0]} blocks differs from the reference")
@@ -158,5 +158,16 @@ def blocks_product(type_id: int, blocks: np.ndarray, x: torch.Tensor) -> torch.T
     out = np.empty((x.shape[0], blocks.shape[0]), dtype=np.float32)
     with LOCK:
         set_threads()
-        compiled.product_rows(type_id, blocks, x.detach().contiguous().numpy(), out)
+        numba_product(compiled, type_id, blocks, x.detach().contiguous().numpy(), out)
     return torch.from_numpy(out)
+
+
+def numba_product(gguf_numba: ModuleType, type_id: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
+    """out = x @ W.T by the kernels: in integers for gguf_numba.CODED_TYPES (x coded as int16 per 32 inputs, each
+    input off by at most 1/65534 of its group's largest |x|), else in fp32."""
+    if type_id in gguf_numba.CODED_TYPES:
+        from .cpu_numba import coded_groups
+        extra, codes = coded_groups(x, x.shape[1] // 32)
+        gguf_numba.coded_product_rows(type_id, blocks, codes, extra, out)
+    else:
+        gguf_numba.product_rows(type_id, blocks, x, out)

@@ -230,3 +230,107 @@ def product_rows(type_id, blocks, x, out):
                     acc[t] += total
             for t in range(count):
                 out[t, r] = acc[t]
+
+
+# ----------------------------------------------------------------------------------- integer products (CODED_TYPES)
+# Q4_K, Q6_K and Q8_0 (what Q4_K_M and Q8_0 files hold) are also multiplied in integers, as cpu_numba.py's int4 rows
+# are: the activations coded as int16 per group of 32 inputs (cpu_numba.coded_groups: code * step, with each group's
+# step, sum and rounding correction in `extra`), each group's codes dotted with the weights' integer codes in int32
+# (vectorized as pmaddwd), and the group's sum scaled once. Each step is truncated to int32 so that LLVM keeps the sums
+# 32-bit (numba widens integer arithmetic to 64).
+CODED_TYPES = (Q4_K, Q6_K, Q8_0)
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def nibble_halves(row, at, codes, first):
+    """The 32 bytes at row[at]: their low nibbles dotted with codes[first:first + 32], their high nibbles with
+    codes[first + 32:first + 64], in int32."""
+    low, high = np.int32(0), np.int32(0)
+    for j in range(32):
+        byte = row[at + j]
+        low = np.int32(low + np.int32(byte & np.uint8(15)) * np.int32(codes[first + j]))
+        high = np.int32(high + np.int32(byte >> np.uint8(4)) * np.int32(codes[first + 32 + j]))
+    return low, high
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def q4_k_dot(row, codes, extra, blocks):
+    """A Q4_K row dotted with coded activations: per group of 32, d * sc * (step * dot + correction) - dmin * m *
+    sum(x), the correction weighting the codes' rounding error by the mean nibble (as cpu_numba.loop_int4_row)."""
+    acc = np.float32(0.0)
+    for b in range(blocks):
+        at = 144 * b
+        d, dmin = half_at(row, at), half_at(row, at + 2)
+        for c in range(4):
+            low, high = nibble_halves(row, at + 16 + 32 * c, codes, 256 * b + 64 * c)
+            for h in range(2):
+                sc, m = k_scale_min(row, at + 4, 2 * c + h)
+                g = 8 * b + 2 * c + h
+                dot = np.float32(low if h == 0 else high)
+                acc += d * np.float32(sc) * (dot * extra[3 * g] + extra[3 * g + 2]) \
+                    - dmin * np.float32(m) * extra[3 * g + 1]
+    return acc
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def q6_code(row, low_at, shift, high_at, high_shift, k):
+    """Code k - 32 of a Q6_K run of 32: its low 4 bits from row[low_at + k] >> shift, its high 2 from
+    row[high_at + k] >> high_shift."""
+    return (np.int32((row[low_at + k] >> shift) & np.uint8(15))
+            | (np.int32((row[high_at + k] >> high_shift) & np.uint8(3)) << np.int32(4))) - np.int32(32)
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def q6_k_dot(row, codes, extra, blocks):
+    """A Q6_K row dotted with coded activations: per group of 16, d * scale * step * sum((q - 32) * code)."""
+    acc = np.float32(0.0)
+    for b in range(blocks):
+        at = 210 * b
+        d = half_at(row, at + 208)
+        for h in range(2):
+            for s in range(4):  # weights 128h + 32s ..: low bits from ql (nibble s // 2 of byte 64h + 32(s % 2) + k)
+                low_at, shift = at + 64 * h + 32 * (s & 1), np.uint8(4 * (s >> 1))
+                high_at, high_shift = at + 128 + 32 * h, np.uint8(2 * s)
+                first = 256 * b + 128 * h + 32 * s
+                first_half, second_half = np.int32(0), np.int32(0)
+                for k in range(16):
+                    first_half = np.int32(first_half + q6_code(row, low_at, shift, high_at, high_shift, k)
+                                          * np.int32(codes[first + k]))
+                    second_half = np.int32(second_half + q6_code(row, low_at, shift, high_at, high_shift, 16 + k)
+                                           * np.int32(codes[first + 16 + k]))
+                scales = at + 192 + 8 * h + 2 * s
+                acc += d * extra[3 * (first // 32)] * (np.float32(np.int8(row[scales])) * np.float32(first_half)
+                                                        + np.float32(np.int8(row[scales + 1])) * np.float32(second_half))
+    return acc
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def q8_0_dot(row, codes, extra, blocks):
+    """A Q8_0 row dotted with coded activations: per block of 32, d * step * sum(q * code)."""
+    acc = np.float32(0.0)
+    signed = row.view(np.int8)
+    for b in range(blocks):
+        at = 34 * b
+        dot = np.int32(0)
+        for k in range(32):
+            dot = np.int32(dot + np.int32(signed[at + 2 + k]) * np.int32(codes[32 * b + k]))
+        acc += half_at(row, at) * extra[3 * b] * np.float32(dot)
+    return acc
+
+
+@njit(cache=True, fastmath=FAST, parallel=True)
+def coded_product_rows(type_id, blocks, codes, extra, out):
+    """out[t, r] = dot(row r of blocks' weights, x[t]) for a CODED_TYPES matrix (blocks uint8 [rows, row_bytes]) and
+    the activations coded by cpu_numba.coded_groups(x, cols / 32) (codes int16 [T, cols], extra [T, 3 * cols / 32])."""
+    rows, count = blocks.shape[0], codes.shape[0]
+    per_row = codes.shape[1] // block_elems(type_id)
+    for item in prange((rows + ROW_BLOCK - 1) // ROW_BLOCK):
+        for r in range(item * ROW_BLOCK, min(rows, (item + 1) * ROW_BLOCK)):
+            row = blocks[r]
+            for t in range(count):
+                if type_id == Q4_K:
+                    out[t, r] = q4_k_dot(row, codes[t], extra[t], per_row)
+                elif type_id == Q6_K:
+                    out[t, r] = q6_k_dot(row, codes[t], extra[t], per_row)
+                else:
+                    out[t, r] = q8_0_dot(row, codes[t], extra[t], per_row)
