@@ -10,8 +10,9 @@ from gguf.quants import dequantize, quantize
 
 from a3b_core.errors import CheckpointError
 from a3b_core.kernels import gguf_blocks
-from a3b_core.kernels.gguf_blocks import FEW_ROWS, blocks_product, dequantize_blocks, random_blocks, row_bytes
-from a3b_core.kernels.gguf_types import BLOCK_TYPES, Q4_0, Q8_0
+from a3b_core.kernels.gguf_blocks import (FEW_ROWS, blocks_product, computes_step, dequantize_blocks, random_blocks,
+                                          routed_step, row_bytes)
+from a3b_core.kernels.gguf_types import BLOCK_TYPES, Q4_0, Q4_K, Q6_K, Q8_0
 from a3b_core.release.gguf_file import TENSOR_TYPES
 from tests.quantized_gguf import QUANTIZED_BY_GGUF_PY  # the others are random valid blocks
 
@@ -93,3 +94,37 @@ def test_bad_inputs_name_the_type_and_fix():
         dequantize_blocks(Q4_0, blocks[:, :30].copy(), cols)
     with pytest.raises(ValueError, match="float32"):
         blocks_product(Q4_0, blocks, torch.ones(1, cols, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("types", [(Q4_K, Q4_K, Q6_K), (Q8_0, Q8_0, Q8_0), (Q4_K, Q6_K, Q4_K)],
+                         ids=["Q4_K_M", "Q8_0", "mixed"])
+def test_routed_step_equals_the_experts_one_by_one(types):
+    """The one-call decoding step of GGUF experts (Q4_K_M's and Q8_0's types) against each expert's SwiGLU computed
+    from gguf-py's dequantized weights, in float64."""
+    if not computes_step(types, 2):
+        pytest.skip("numba is not installed or its kernels did not compile")
+    experts, hidden, inter, generator = 4, 512, 256, np.random.default_rng(5)
+
+    def stack(type_ids, rows, cols):
+        parts = [[matrix_blocks(t, rows, cols // BLOCK_TYPES[t][1], seed=int(generator.integers(1 << 30)))[0]
+                  for t in type_ids] for _ in range(experts)]
+        blocks = np.stack([np.concatenate([p.reshape(-1) for p in matrices]) for matrices in parts])
+        weights = [np.concatenate([dequantize(p, GGMLQuantizationType(t)) for p, t in zip(matrices, type_ids)])
+                   for matrices in parts]
+        return blocks, np.stack(weights).astype(np.float64)
+
+    gate_up, gate_up_w = stack(types[:2], inter, hidden)
+    down, down_w = stack(types[2:], hidden, inter)
+    x = torch.randn(2, hidden, generator=torch.Generator().manual_seed(0))
+    ids = torch.tensor([[0, 3], [2, 0]])
+    weights = torch.tensor([[0.7, 0.3], [0.4, 0.6]])
+    sizes = (row_bytes(types[0], hidden), row_bytes(types[1], hidden), row_bytes(types[2], inter))
+    got = routed_step(types, sizes, inter, gate_up, down, x, ids, weights)
+    want = np.zeros((2, hidden))
+    for t in range(2):
+        for e, p in zip(ids[t].tolist(), weights[t].double().tolist()):
+            h = gate_up_w[e] @ x[t].double().numpy()
+            act = h[:inter] / (1 + np.exp(-h[:inter])) * h[inter:]
+            want[t] += p * (down_w[e] @ act)
+    scale = np.abs(want).max()
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=2e-4 * scale)

@@ -144,3 +144,22 @@ def test_a_type_not_read_is_refused_naming_tensor_and_type(tmp_path):
     with pytest.raises(A3BError, match="IQ3_S"):
         load_model(path, preset="cpu", compute_dtype="float32")
     assert np.frombuffer(bytes(data[:4]), np.uint8).tobytes() == b"GGUF"
+
+
+def test_decoding_computes_each_layers_experts_in_one_step(quantized, one_thread):
+    """All-Q8_0 experts decode through the one-call routed step (QuantizedExperts.routed_step) and give the greedy
+    tokens of the same file's experts dequantized to fp32."""
+    blocks = load_model(quantized["converter_q8_0"], preset="cpu", compute_dtype="float32", weight_format="gguf")
+    experts = blocks.text.layers[0].mlp.experts
+    x = torch.randn(1, experts.gate_up_proj.shape[2])
+    top_i, top_p = torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]])
+    if not experts.takes(x, top_i, top_p):
+        pytest.skip("numba is not installed or its kernels did not compile")
+    step = experts.routed_step(x, top_i, top_p)
+    one_by_one = sum(p * experts.down(e, torch.nn.functional.silu(h[:, :h.shape[1] // 2]) * h[:, h.shape[1] // 2:])
+                     for e, p, h in ((e, 0.5, experts.gate_up(e, x)) for e in (0, 1)))
+    torch.testing.assert_close(step, one_by_one, rtol=0, atol=1e-4 * one_by_one.abs().max().item())
+    exact = load_model(quantized["converter_q8_0"], preset="cpu", compute_dtype="float32", weight_format="fp32")
+    prompt = blocks.tokenizer.encode(TEXT_PROMPT)
+    assert blocks.generate(prompt, max_new_tokens=8, temperature=0).token_ids == \
+        exact.generate(prompt, max_new_tokens=8, temperature=0).token_ids

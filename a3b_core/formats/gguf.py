@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.gguf_blocks import blocks_product, dequantize_blocks
+from ..kernels.gguf_blocks import blocks_product, computes_step, dequantize_blocks, routed_step
 from ..release.gguf_file import BlockType
 
 Parts = tuple[tuple[BlockType, int], ...]  # (block type, rows) of a matrix's parts, top to bottom
@@ -58,6 +58,25 @@ class GgufBlocks:
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         out = torch.cat([blocks_product(t.type_id, blocks, rows) for t, blocks in self._blocks(q, e)], dim=-1)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+    def step_types(self, down: GgufBlocks) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """The type ids and bytes per row of the gate rows, the up rows (this stack's halves) and down's rows."""
+        halves = [t for t, rows in self.parts for _ in range(rows // (self.shape[1] // 2))]
+        (down_type, _), = down.parts
+        return (tuple(t.type_id for t in (*halves, down_type)),
+                (halves[0].row_bytes(self.shape[2]), halves[1].row_bytes(self.shape[2]),
+                 down_type.row_bytes(down.shape[2])))
+
+    def takes_step(self, down: GgufBlocks, rows: int) -> bool:
+        """Whether routed_step computes `rows` decoding rows with `down` as the down stack."""
+        return computes_step(self.step_types(down)[0], rows)
+
+    def routed_step(self, q: torch.Tensor, down: GgufBlocks, down_q: torch.Tensor, x: torch.Tensor,
+                    top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for the rows of x [N, H] in one kernel call (q: this gate_up stack's,
+        down_q: the down stack's)."""
+        types, row_bytes = self.step_types(down)
+        return routed_step(types, row_bytes, self.shape[1] // 2, q.numpy(), down_q.numpy(), x, top_i, top_p)
 
     @staticmethod
     def stored_bytes(numel: int, stored: BlockType) -> int:

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cpu_linear import many_rows_product, many_rows_weight_dtype
+from ..kernels.arrays import plain_cpu
 from ..kernels.numba_threads import LOCK, set_threads
 from .stores import CpuFloatExperts, QuantizedExperts
 from .table import BF16, FORMATS, INT4, INT8
@@ -68,11 +69,6 @@ def compiled_kernels() -> ModuleType | None:
                       "(slower decoding on the CPU). Set A3B_NO_NUMBA=1 to skip the attempt.", stacklevel=2)
         return None
     return cpu_numba
-
-
-def plain_cpu(*tensors: torch.Tensor) -> bool:
-    """True when every tensor is an ordinary CPU tensor, whose data numpy reads (not a fake or other subclass)."""
-    return all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)
 
 
 def check_kernels(kernels: ModuleType) -> None:

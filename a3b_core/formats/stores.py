@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import PlacementError
+from ..kernels.arrays import plain_cpu
 from ..kernels.cpu_linear import linear
 from .table import format_named
 
@@ -103,6 +104,18 @@ class QuantizedExperts(nn.Module):
 
     def down(self, e: int, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj.matmul(e, x)
+
+    def takes(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> bool:
+        """Whether routed_step computes these decoding rows: only where the layout computes whole routed steps (GGUF
+        blocks, by their kernels) and the tensors are plain CPU ones."""
+        layout = self.gate_up_proj.layout
+        return hasattr(layout, "takes_step") and plain_cpu(self.gate_up_proj.q, x, top_i, top_p) and \
+            layout.takes_step(self.down_proj.layout, x.shape[0])
+
+    def routed_step(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted sum for the rows of x [N, H] (top_i, top_p [N, k]), in one step."""
+        return self.gate_up_proj.layout.routed_step(self.gate_up_proj.q, self.down_proj.layout, self.down_proj.q, x,
+                                                    top_i, top_p)
 
 
 ExpertMatrix = Callable[[str, int], torch.Tensor]  # (which, expert) -> fp32 [out, in]; which: gate_up_proj / down_proj

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import numpy as np
+import torch
 
 INT8, FP8, BF16, INT4 = 0, 1, 2, 3
 NO_SIDE_PATH = np.zeros((0, 0), np.float32)
@@ -20,3 +21,8 @@ class Matrix(NamedTuple):
     scale: np.ndarray
     side_a: np.ndarray = NO_SIDE_PATH
     side_b: np.ndarray = NO_SIDE_PATH
+
+
+def plain_cpu(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is an ordinary CPU tensor, whose data numpy reads (not a fake or other subclass)."""
+    return all(type(t) is torch.Tensor and t.device.type == "cpu" for t in tensors)

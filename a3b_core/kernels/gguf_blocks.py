@@ -166,8 +166,30 @@ def numba_product(gguf_numba: ModuleType, type_id: int, blocks: np.ndarray, x: n
     """out = x @ W.T by the kernels: in integers for gguf_numba.CODED_TYPES (x coded as int16 per 32 inputs, each
     input off by at most 1/65534 of its group's largest |x|), else in fp32."""
     if type_id in gguf_numba.CODED_TYPES:
-        from .cpu_numba import coded_groups
-        extra, codes = coded_groups(x, x.shape[1] // 32)
+        extra, codes = gguf_numba.coded_groups(x, x.shape[1] // 32)
         gguf_numba.coded_product_rows(type_id, blocks, codes, extra, out)
     else:
         gguf_numba.product_rows(type_id, blocks, x, out)
+
+
+def computes_step(types: tuple[int, int, int], rows: int) -> bool:
+    """Whether routed_step computes `rows` decoding rows of experts whose gate, up and down rows are of `types`: the
+    kernels are used, the types are gguf_numba.CODED_TYPES, and there are at most FEW_ROWS rows."""
+    compiled = kernels()
+    return compiled is not None and rows <= FEW_ROWS and all(t in compiled.CODED_TYPES for t in types)
+
+
+def routed_step(types: tuple[int, int, int], row_bytes: tuple[int, int, int], inter: int, gate_up: np.ndarray,
+                down: np.ndarray, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """The routed experts' weighted sum for the decoding rows x [T, H] (ids, weights [T, k]) in one kernel call,
+    for experts whose gate, up and down rows are of `types` (see gguf_numba.coded_routed_step), where the kernels
+    are computed (computes_step)."""
+    compiled = kernels()
+    out = np.empty(tuple(x.shape), np.float32)
+    with LOCK:
+        set_threads()
+        extra, codes = compiled.coded_groups(x.detach().float().contiguous().numpy(), x.shape[1] // 32)
+        compiled.coded_routed_step(np.array(types, np.int64), np.array(row_bytes, np.int64), inter, gate_up, down,
+                                   codes, extra, ids.contiguous().numpy(), weights.detach().float().contiguous().numpy(),
+                                   out)
+    return torch.from_numpy(out).to(x.dtype)

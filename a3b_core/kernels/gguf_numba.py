@@ -17,6 +17,7 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from .cpu_numba import coded_groups
 from .gguf_types import IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0
 
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorized); no assumption that values are finite
@@ -318,19 +319,58 @@ def q8_0_dot(row, codes, extra, blocks):
     return acc
 
 
+@njit(cache=True, fastmath=FAST, inline="always")
+def coded_dot(type_id, row, codes, extra):
+    """A CODED_TYPES row (its bytes) dotted with one row of coded activations."""
+    per_row = codes.shape[0] // block_elems(type_id)
+    if type_id == Q4_K:
+        return q4_k_dot(row, codes, extra, per_row)
+    if type_id == Q6_K:
+        return q6_k_dot(row, codes, extra, per_row)
+    return q8_0_dot(row, codes, extra, per_row)
+
+
 @njit(cache=True, fastmath=FAST, parallel=True)
 def coded_product_rows(type_id, blocks, codes, extra, out):
     """out[t, r] = dot(row r of blocks' weights, x[t]) for a CODED_TYPES matrix (blocks uint8 [rows, row_bytes]) and
     the activations coded by cpu_numba.coded_groups(x, cols / 32) (codes int16 [T, cols], extra [T, 3 * cols / 32])."""
     rows, count = blocks.shape[0], codes.shape[0]
-    per_row = codes.shape[1] // block_elems(type_id)
     for item in prange((rows + ROW_BLOCK - 1) // ROW_BLOCK):
         for r in range(item * ROW_BLOCK, min(rows, (item + 1) * ROW_BLOCK)):
-            row = blocks[r]
             for t in range(count):
-                if type_id == Q4_K:
-                    out[t, r] = q4_k_dot(row, codes[t], extra[t], per_row)
-                elif type_id == Q6_K:
-                    out[t, r] = q6_k_dot(row, codes[t], extra[t], per_row)
-                else:
-                    out[t, r] = q8_0_dot(row, codes[t], extra[t], per_row)
+                out[t, r] = coded_dot(type_id, blocks[r], codes[t], extra[t])
+
+
+@njit(cache=True, fastmath=FAST, parallel=True)
+def coded_routed_step(types, row_bytes, inter, gate_up, down, codes, extra, ids, weights, out):
+    """A decoding step's routed experts in one call, their matrices in CODED_TYPES blocks:
+    out[t] = sum over slots j of weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j].
+
+    types and row_bytes (int64 [3]): the gate rows', up rows' and down rows' block type and bytes per row; gate_up
+    uint8 [E, bytes] (each expert's `inter` gate rows, then its `inter` up rows), down uint8 [E, bytes] (H rows);
+    x coded by cpu_numba.coded_groups(x, H / 32) as codes [T, H] and extra; ids [T, k] int64; weights [T, k] fp32;
+    out [T, H] fp32. Each token's result does not depend on the other tokens of the call."""
+    tokens, top_k = ids.shape
+    hidden = out.shape[1]
+    slots = tokens * top_k
+    gate_bytes = inter * row_bytes[0]
+    act = np.empty((slots, inter), np.float32)
+    blocks = (inter + ROW_BLOCK - 1) // ROW_BLOCK
+    for item in prange(slots * blocks):  # a work item: a block of one slot's gate and up rows, then SiLU(gate) * up
+        s, b = item // blocks, item % blocks
+        t, e = s // top_k, ids[s // top_k, s % top_k]
+        for i in range(b * ROW_BLOCK, min(inter, (b + 1) * ROW_BLOCK)):
+            gate = coded_dot(types[0], gate_up[e, i * row_bytes[0]:(i + 1) * row_bytes[0]], codes[t], extra[t])
+            up = coded_dot(types[1], gate_up[e, gate_bytes + i * row_bytes[1]:gate_bytes + (i + 1) * row_bytes[1]],
+                           codes[t], extra[t])
+            act[s, i] = gate / (1 + np.exp(-gate)) * up
+    act_extra, act_codes = coded_groups(act, inter // 32)
+    for b in prange((hidden + ROW_BLOCK - 1) // ROW_BLOCK):  # a work item: a block of output rows, expert by expert
+        for r in range(b * ROW_BLOCK, min(hidden, (b + 1) * ROW_BLOCK)):
+            for t in range(tokens):
+                total = np.float32(0.0)
+                for j in range(top_k):
+                    s = t * top_k + j
+                    row = down[ids[t, j], r * row_bytes[2]:(r + 1) * row_bytes[2]]
+                    total += weights[t, j] * coded_dot(types[2], row, act_codes[s], act_extra[s])
+                out[t, r] = total

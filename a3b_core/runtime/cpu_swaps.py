@@ -23,7 +23,8 @@ from collections.abc import Callable
 from torch import nn
 
 from ..formats.dense import QuantizedLinear, quantize_dense
-from ..formats.kernel_stores import plain_cpu, swap_in_kernels
+from ..formats.kernel_stores import swap_in_kernels
+from ..kernels.arrays import plain_cpu
 from ..formats.int4 import TorchInt4Stack
 from ..formats.stores import CpuFloatExperts, QuantizedExperts
 from ..formats.table import BF16, INT4, format_named

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats.dense import QuantizedLinear
-from ..formats.kernel_stores import KernelExperts, compiled_kernels, plain_cpu
+from ..formats.kernel_stores import KernelExperts, compiled_kernels
+from ..kernels.arrays import plain_cpu
 from ..kernels.numba_threads import LOCK, set_threads
 from ..formats.kernel_stores import matrix as expert_matrix
 from ..formats.stores import CpuFloatExperts, QuantizedExperts

@@ -11,7 +11,8 @@ import torch
 from torch import nn
 
 from ..formats.dense import QuantizedLinear
-from ..formats.kernel_stores import KERNEL_FORMATS, dequantized_product, kernel_arrays, plain_cpu
+from ..formats.kernel_stores import KERNEL_FORMATS, dequantized_product, kernel_arrays
+from ..kernels.arrays import plain_cpu
 from ..kernels.numba_threads import LOCK, set_threads
 from ..formats.lora import LowRank, side_paths
 from ..formats.table import BF16, format_named

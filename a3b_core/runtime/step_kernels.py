@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats.dense import QuantizedLinear
-from ..formats.kernel_stores import KERNEL_FORMATS, compiled_kernels, kernels_enabled, plain_cpu
+from ..formats.kernel_stores import KERNEL_FORMATS, compiled_kernels, kernels_enabled
+from ..kernels.arrays import plain_cpu
 from ..formats.table import BF16, INT4, INT8
 from ..kernels.cpu_linear import CpuLinear, FusedLinear
 from .layer_steps import (AttentionLayerKernel, DeltaNetKernel, DeltaNetLayerKernel, LayerStepKernel,
