@@ -9,21 +9,22 @@ Matrices are random valid blocks (kernels/gguf_blocks.py random_blocks); reading
 Rounds interleave the two products; medians are printed. The matrices (4-9 MiB of blocks, 8 MiB of bf16) may sit
 partly in a large L3 cache: these are compute rates more than memory-bound ones.
 
-An AMD EPYC (AVX2, 2 vCPUs), 2 threads, 2048 x 2048, one row (median of 60 calls each):
+An AMD EPYC (AVX2, 2 vCPUs), 2 threads, 2048 x 2048, one row (median of 200 calls each); Q4_K, Q6_K and Q8_0 are
+multiplied in integers, the others decoded to fp32:
 
     type     kernel us  GB/s  bf16 us  GB/s  bf16/kernel time
-    Q4_0       3793     0.62    404    20.8   0.11
-    Q4_1       4237     0.62    400    21.0   0.09
-    Q5_0       3219     0.90    405    20.7   0.13
-    Q5_1       3633     0.87    416    20.2   0.11
-    Q8_0       3710     1.20    397    21.1   0.11
-    Q2_K       3452     0.40    417    20.1   0.12
-    Q3_K       4195     0.43    398    21.1   0.09
-    Q4_K       2075     1.14    395    21.2   0.19
-    Q5_K       2216     1.30    393    21.4   0.18
-    Q6_K       3710     0.93    395    21.2   0.11
-    IQ4_NL     3526     0.67    407    20.6   0.12
-    IQ4_XS     2775     0.80    393    21.4   0.14
+    Q4_0       3900     0.60    396    21.2   0.10
+    Q4_1       4251     0.62    396    21.2   0.09
+    Q5_0       3211     0.90    398    21.1   0.12
+    Q5_1       3573     0.88    399    21.1   0.11
+    Q8_0       1266     3.52    401    20.9   0.32
+    Q2_K       3492     0.39    399    21.1   0.11
+    Q3_K       4250     0.42    397    21.1   0.09
+    Q4_K        368     6.41    399    21.0   1.08
+    Q5_K       2282     1.26    404    20.8   0.18
+    Q6_K        451     7.63    399    21.0   0.88
+    IQ4_NL     3577     0.66    401    20.9   0.11
+    IQ4_XS     2781     0.80    396    21.2   0.14
 """
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ from gguf.quants import dequantize, quantize
 
 from a3b_core.errors import CheckpointError
 from a3b_core.kernels import gguf_blocks
-from a3b_core.kernels.gguf_blocks import (FEW_ROWS, blocks_product, computes_step, dequantize_blocks, random_blocks,
-                                          routed_step, row_bytes)
+from a3b_core.kernels.gguf_blocks import (blocks_product, computes_step, dequantize_blocks, random_blocks,
+                                          kernel_rows, routed_step, row_bytes)
 from a3b_core.kernels.gguf_types import BLOCK_TYPES, Q4_0, Q4_K, Q6_K, Q8_0
 from a3b_core.release.gguf_file import TENSOR_TYPES
 from tests.quantized_gguf import QUANTIZED_BY_GGUF_PY  # the others are random valid blocks
@@ -77,10 +77,10 @@ def test_kernel_row_results_do_not_depend_on_the_batch():
     not promise this)."""
     if gguf_blocks.kernels() is None:
         pytest.skip("numba is not installed or its kernels did not compile")
-    blocks, cols = matrix_blocks(Q8_0, 40, 2, seed=1)
-    x = torch.randn(FEW_ROWS, cols, generator=torch.Generator().manual_seed(2))
-    together = blocks_product(Q8_0, blocks, x)
-    alone = torch.cat([blocks_product(Q8_0, blocks, x[t:t + 1]) for t in range(FEW_ROWS)])
+    blocks, cols = matrix_blocks(Q4_K, 40, 2, seed=1)
+    x = torch.randn(kernel_rows(Q4_K), cols, generator=torch.Generator().manual_seed(2))
+    together = blocks_product(Q4_K, blocks, x)
+    alone = torch.cat([blocks_product(Q4_K, blocks, x[t:t + 1]) for t in range(kernel_rows(Q4_K))])
     assert torch.equal(together, alone)
 
 

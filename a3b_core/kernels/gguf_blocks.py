@@ -8,13 +8,15 @@ reference here). The types computed are the legacy 32-weight blocks (Q8_0, Q4_0,
 
 The numba kernels (gguf_numba.py) are used when numba imports, compiles them and reproduces gguf-py on a small matrix,
 unless the environment sets A3B_NO_NUMBA=1 (the rule of formats/kernel_stores.py); otherwise gguf-py dequantizes and
-torch multiplies. A product of a few activation rows (decoding: up to FEW_ROWS) reads each block once and dots its
-integer codes with the activations; more rows dequantize the matrix and make one torch product.
+torch multiplies. A product of a few activation rows (kernel_rows) reads each block once and dots its codes with the
+activations; more rows dequantize the matrix and make one torch product. Q4_K, Q6_K and Q8_0 (gguf_numba.CODED_TYPES,
+what Q4_K_M and Q8_0 files hold) are multiplied in integers, and a decoding step's routed experts of these types are
+computed in one call (routed_step).
 
-bench/gguf_blocks.py, a 2048 x 2048 matrix and one activation row on 2 threads of an AMD EPYC (AVX2): the kernel
-took 2.1-4.2 ms (0.4-1.3 GB/s of blocks; Q4_K and Q5_K fastest), torch's bf16 matrix-vector product of the same
-matrix 0.4 ms (21 GB/s): the kernel is 5-11x slower than torch's bf16 product, bound by its decoding and fp32 loops
-(not by memory). dequantize_rows makes the fp32 matrix at 1.7-4 ms per 4 M weights on one thread.
+bench/gguf_blocks.py, a 2048 x 2048 matrix and one activation row on 2 threads of an AMD EPYC (AVX2), against
+torch's bf16 matrix-vector product of the same matrix (0.39 ms, 21 GB/s): Q4_K 0.38 ms (6.3 GB/s of blocks), Q6_K
+0.44 ms (7.9 GB/s), Q8_0 1.2 ms (3.9 GB/s); the other types, decoded to fp32 and multiplied in fp32, 2.2-4.2 ms
+(0.4-1.3 GB/s). dequantize_rows makes the fp32 matrix in 1.2-2.4 ms (Q4_K, Q6_K, Q8_0) to 4 ms (the others).
 """
 from __future__ import annotations
 
@@ -30,9 +32,15 @@ from ..errors import CheckpointError
 from .gguf_types import BLOCK_TYPES, Q2_K, Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K
 from .numba_threads import LOCK, set_threads
 
-# a product with at most this many activation rows is computed from the blocks by the kernel (one pass over the
-# matrix); more rows make dequantizing once and one matrix product cheaper
+# a decoding step of at most this many rows computes its routed experts in one call (routed_step)
 FEW_ROWS = 16
+# products of at most this many activation rows are computed from the blocks by the kernels, more rows by
+# dequantizing the matrix and one torch product: where the two took the same time (2048 x 2048, 2 threads, AVX2 EPYC)
+KERNEL_ROWS = {Q4_K: 6, Q6_K: 6}  # the other types: 1
+
+
+def kernel_rows(type_id: int) -> int:
+    return KERNEL_ROWS.get(type_id, 1)
 
 
 def block_type(type_id: int) -> tuple[str, int, int]:
@@ -153,7 +161,7 @@ def blocks_product(type_id: int, blocks: np.ndarray, x: torch.Tensor) -> torch.T
     cols = x.shape[1]
     check_blocks(type_id, blocks, cols)
     compiled = kernels()
-    if compiled is None or x.shape[0] > FEW_ROWS:
+    if compiled is None or x.shape[0] > kernel_rows(type_id):
         return x @ dequantize_blocks(type_id, blocks, cols).T
     out = np.empty((x.shape[0], blocks.shape[0]), dtype=np.float32)
     with LOCK:

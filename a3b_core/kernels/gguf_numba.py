@@ -178,6 +178,9 @@ def dequantize_rows(type_id, blocks, out):
     nbytes = blocks.shape[1] * elems // out.shape[1]
     group = group_size(type_id)
     for r in prange(out.shape[0]):
+        if type_id == Q4_K or type_id == Q6_K or type_id == Q8_0:  # straight loops, 3-4x faster than decode_block's
+            coded_values(type_id, blocks[r], out[r])
+            continue
         codes = np.zeros(elems, dtype=np.float32)
         scales = np.zeros(elems // group, dtype=np.float32)
         offsets = np.zeros(elems // group, dtype=np.float32)
@@ -317,6 +320,45 @@ def q8_0_dot(row, codes, extra, blocks):
             dot = np.int32(dot + np.int32(signed[at + 2 + k]) * np.int32(codes[32 * b + k]))
         acc += half_at(row, at) * extra[3 * b] * np.float32(dot)
     return acc
+
+
+@njit(cache=True, inline="always")
+def coded_values(type_id, row, dst):
+    """The weights of a CODED_TYPES row (its bytes) into dst (float32 [cols]), rounded as gguf-py's (no fastmath)."""
+    if type_id == Q8_0:
+        signed = row.view(np.int8)
+        for b in range(dst.shape[0] // 32):
+            d = half_at(row, 34 * b)
+            for k in range(32):
+                dst[32 * b + k] = d * np.float32(signed[34 * b + 2 + k])
+    elif type_id == Q4_K:
+        for b in range(dst.shape[0] // 256):
+            at = 144 * b
+            d, dmin = half_at(row, at), half_at(row, at + 2)
+            for c in range(4):
+                low_scale, low_min = k_scale_min(row, at + 4, 2 * c)
+                high_scale, high_min = k_scale_min(row, at + 4, 2 * c + 1)
+                scale_low, offset_low = d * np.float32(low_scale), dmin * np.float32(low_min)
+                scale_high, offset_high = d * np.float32(high_scale), dmin * np.float32(high_min)
+                first = 256 * b + 64 * c
+                for k in range(32):
+                    byte = row[at + 16 + 32 * c + k]
+                    dst[first + k] = scale_low * np.float32(byte & np.uint8(15)) - offset_low
+                    dst[first + 32 + k] = scale_high * np.float32(byte >> np.uint8(4)) - offset_high
+    else:  # Q6_K
+        for b in range(dst.shape[0] // 256):
+            at = 210 * b
+            d = half_at(row, at + 208)
+            for h in range(2):
+                for s in range(4):
+                    low_at, shift = at + 64 * h + 32 * (s & 1), np.uint8(4 * (s >> 1))
+                    high_at, high_shift = at + 128 + 32 * h, np.uint8(2 * s)
+                    first = 256 * b + 128 * h + 32 * s
+                    scales = at + 192 + 8 * h + 2 * s
+                    for half in range(2):
+                        scale = d * np.float32(np.int8(row[scales + half]))
+                        for k in range(16 * half, 16 * half + 16):
+                            dst[first + k] = scale * np.float32(q6_code(row, low_at, shift, high_at, high_shift, k))
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
