@@ -1,6 +1,7 @@
 """One activation row times a GGUF block-quantized matrix on the CPU: the numba kernel reading the blocks
-(kernels/gguf_blocks.py blocks_product: the activation's coding and the call included) against torch's bf16 matrix-vector product of the same matrix dequantized
-(torch.nn.functional.linear), in GB/s of the bytes each reads, and the ratio of their times.
+(kernels/gguf_blocks.py blocks_product, the activation's coding and the call included) against torch's bf16
+matrix-vector product of the same matrix dequantized (torch.nn.functional.linear), in GB/s of the bytes each reads,
+and the ratio of their times.
 
     python bench/gguf_blocks.py                      # every computed type, 2048 x 2048, 2 threads
     python bench/gguf_blocks.py --types Q4_K Q8_0 --threads 1
