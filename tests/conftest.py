@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from tests.tiny_gguf import build_gguf_fixtures
 from tests.tiny_models import Fixtures, build_fixtures
 
 
@@ -27,3 +28,13 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def ggufs():
+    """The tiny GGUF files (tests/tiny_gguf.py) of the tests that read GGUFs."""
+    files = build_gguf_fixtures()
+    if files is None:
+        pytest.skip("llama.cpp's converter (the llama-cpp-python 0.3.36 source package) could not be downloaded "
+                    "with pip, so no GGUF files can be made")
+    return files

@@ -18,7 +18,6 @@ from a3b_core.prompting.tokenizer import Tokenizer
 from a3b_core.release.gguf import GGUFCheckpoint
 from a3b_core.release.gguf_config import config_from_gguf
 from a3b_core.release.safetensors import Checkpoint
-from tests.tiny_gguf import build_gguf_fixtures
 from tests.tiny_models import TEXT_PROMPT, build_fixtures
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 
@@ -33,15 +32,6 @@ STRINGS = [
     "数字 12345 and 3.0e-7", "日本語のテキスト、中文文本。한국어", "émojis 😀👍🏽 🇫🇷 and ünïcödé", "a\u0301 combining",
     "https://example.com/a?b=c&d=e", "Ελληνικά кириллица العربية हिन्दी",
 ]
-
-
-@pytest.fixture(scope="module")
-def ggufs():
-    files = build_gguf_fixtures()
-    if files is None:
-        pytest.skip("llama.cpp's converter (the llama-cpp-python 0.3.36 source package) could not be downloaded "
-                    "with pip, so no GGUF files can be made")
-    return files
 
 
 def sources():

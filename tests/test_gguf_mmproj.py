@@ -14,7 +14,6 @@ from a3b_core.models.vision import parse_vision_config
 from a3b_core.release.config import read_config
 from a3b_core.release.gguf_mmproj import MmprojCheckpoint, find_mmproj
 from a3b_core.release.safetensors import Checkpoint
-from tests.tiny_gguf import build_gguf_fixtures
 from tests.tiny_models import build_fixtures
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 
@@ -23,15 +22,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 FAMILIES = ["qwen3_5", "qwen3_vl"]
 TOL = 1e-4
-
-
-@pytest.fixture(scope="module")
-def ggufs():
-    files = build_gguf_fixtures()
-    if files is None:
-        pytest.skip("llama.cpp's converter (the llama-cpp-python 0.3.36 source package) could not be downloaded "
-                    "with pip, so no GGUF files can be made")
-    return files
 
 
 @pytest.fixture(scope="module")

@@ -8,20 +8,10 @@ import torch
 from a3b_core import load_model
 from a3b_core.errors import CheckpointError
 from a3b_core.release.gguf import GGUFCheckpoint
-from tests.tiny_gguf import build_gguf_fixtures
 from tests.tiny_models import TEXT_PROMPT
 
 gguf = pytest.importorskip("gguf", reason="the gguf package (requirements.txt) is not installed")
 from tests.split_gguf import tensor_groups, write_split_set  # noqa: E402 (needs gguf)
-
-
-@pytest.fixture(scope="module")
-def ggufs():
-    files = build_gguf_fixtures()
-    if files is None:
-        pytest.skip("llama.cpp's converter (the llama-cpp-python 0.3.36 source package) could not be downloaded "
-                    "with pip, so no GGUF files can be made")
-    return files
 
 
 def split(source, folder, count=3):

@@ -29,8 +29,6 @@ is not swapped, and a decoding step given them runs the store's products.
 """
 from __future__ import annotations
 
-import os
-import warnings
 from functools import cache
 from types import ModuleType
 
@@ -41,7 +39,7 @@ from torch import nn
 
 from ..kernels.cpu_linear import many_rows_product, many_rows_weight_dtype
 from ..kernels.arrays import plain_cpu
-from ..kernels.numba_threads import LOCK, set_threads
+from ..kernels.numba_threads import LOCK, checked_module, numba_allowed, set_threads
 from .stores import CpuFloatExperts, QuantizedExperts
 from .table import BF16, FORMATS, INT4, INT8
 
@@ -52,23 +50,17 @@ KERNEL_FORMATS = tuple(fmt for fmt in FORMAT_CODES if fmt.quantized)
 
 def kernels_enabled() -> bool:
     """True when routed-expert kernels are used: not switched off by A3B_NO_NUMBA=1, and numba compiles them."""
-    return os.environ.get("A3B_NO_NUMBA", "0") in ("", "0") and compiled_kernels() is not None
+    return numba_allowed() and compiled_kernels() is not None
 
 
 @cache
 def compiled_kernels() -> ModuleType | None:
     """cpu_numba.py compiled and checked against torch on a small step, or None (with a warning) if it fails."""
-    try:
+    def load() -> ModuleType:
         from ..kernels import cpu_numba
-    except ImportError:
-        return None
-    try:
-        check_kernels(cpu_numba)
-    except Exception as exc:  # numba's compile errors have many types; any failure means the torch path
-        warnings.warn(f"a3b_core: numba could not compile the CPU expert kernels ({exc}); using torch's products "
-                      "(slower decoding on the CPU). Set A3B_NO_NUMBA=1 to skip the attempt.", stacklevel=2)
-        return None
-    return cpu_numba
+        return cpu_numba
+    return checked_module(load, check_kernels, "the CPU expert kernels",
+                          "torch's products (slower decoding on the CPU)")
 
 
 def check_kernels(kernels: ModuleType) -> None:

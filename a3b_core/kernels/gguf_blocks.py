@@ -20,8 +20,6 @@ torch's bf16 matrix-vector product of the same matrix (0.39 ms, 21 GB/s): Q4_K 0
 """
 from __future__ import annotations
 
-import os
-import warnings
 from functools import cache
 from types import ModuleType
 
@@ -30,7 +28,7 @@ import torch
 
 from ..errors import CheckpointError
 from .gguf_types import BLOCK_TYPES, Q2_K, Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K
-from .numba_threads import LOCK, set_threads
+from .numba_threads import LOCK, checked_module, numba_allowed, set_threads
 
 # a decoding step of at most this many rows computes its routed experts in one call (routed_step)
 FEW_ROWS = 16
@@ -72,25 +70,17 @@ def check_blocks(type_id: int, blocks: np.ndarray, cols: int) -> None:
 
 def kernels() -> ModuleType | None:
     """gguf_numba.py when it is used (see the module docstring), else None."""
-    if os.environ.get("A3B_NO_NUMBA", "0") not in ("", "0"):
-        return None
-    return compiled_kernels()
+    return compiled_kernels() if numba_allowed() else None
 
 
 @cache
 def compiled_kernels() -> ModuleType | None:
     """gguf_numba.py compiled and checked against gguf-py on one small matrix per type, or None (with a warning)."""
-    try:
+    def load() -> ModuleType:
         from . import gguf_numba
-    except ImportError:
-        return None
-    try:
-        check_kernels(gguf_numba)
-    except Exception as exc:  # numba's compile errors have many types; any failure means the reference path
-        warnings.warn(f"a3b_core: numba could not compile the GGUF block kernels ({exc}); using gguf-py's "
-                      "dequantization and torch's products. Set A3B_NO_NUMBA=1 to skip the attempt.", stacklevel=2)
-        return None
-    return gguf_numba
+        return gguf_numba
+    return checked_module(load, check_kernels, "the GGUF block kernels",
+                          "gguf-py's dequantization and torch's products")
 
 
 def check_kernels(gguf_numba: ModuleType) -> None:

@@ -1,7 +1,12 @@
-"""The one lock and thread count of numba's kernels (cpu_numba.py, gguf_numba.py), shared by every caller."""
+"""What numba's kernel modules (cpu_numba.py, gguf_numba.py) share: the switch that turns them off (A3B_NO_NUMBA=1),
+how a module is compiled and checked before use, one lock and one thread count."""
 from __future__ import annotations
 
+import os
 import threading
+import warnings
+from collections.abc import Callable
+from types import ModuleType
 import torch
 
 LOCK = threading.Lock()  # numba's thread pools do not all accept calls from two threads at once
@@ -16,3 +21,25 @@ def set_threads() -> None:
         import numba  # imported by the kernels' modules already: the engine imports numba only where they run
         numba.set_num_threads(max(1, min(threads, numba.config.NUMBA_NUM_THREADS)))
         _threads.count = threads
+
+
+def numba_allowed() -> bool:
+    """False when the environment sets A3B_NO_NUMBA=1: the kernels are not even compiled."""
+    return os.environ.get("A3B_NO_NUMBA", "0") in ("", "0")
+
+
+def checked_module(load: Callable[[], ModuleType], check: Callable[[ModuleType], None], kernels: str,
+                   fallback: str) -> ModuleType | None:
+    """The kernel module `load` imports, once `check` passed on it (compiling its kernels); None when numba is not
+    installed, or, with a warning naming the `kernels` and the `fallback` used instead, when they fail."""
+    try:
+        module = load()
+    except ImportError:
+        return None
+    try:
+        check(module)
+    except Exception as exc:  # numba's compile errors have many types; any failure means the fallback
+        warnings.warn(f"a3b_core: numba could not compile {kernels} ({exc}); using {fallback}. Set A3B_NO_NUMBA=1 "
+                      "to skip the attempt.", stacklevel=3)
+        return None
+    return module

@@ -123,7 +123,39 @@ def open_reader(path: Path, records: list[TensorRecord]) -> Any:
     return reader
 
 
-class GGUFCheckpoint:
+class MappedCheckpoint:
+    """What a GGUF model's and an mmproj's checkpoints share: tensors in `infos` read through `tensors` (a
+    MappedTensors), `raw(name)` defined by each."""
+    infos: dict[str, Any]
+    tensors: MappedTensors
+    reader: Any
+    _sorted_names: list[str]
+
+    def weight(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor in `dtype` (a copy releases the mapped pages it was made from)."""
+        value = self.raw(name)
+        if value.dtype == dtype:
+            return value
+        out = value.to(dtype)
+        self.release(name)
+        return out
+
+    def release(self, name: str) -> None:
+        """Drops the mapped pages of a tensor that was copied out (they are read again if it is used again)."""
+        self.tensors.release(self.infos[name].sources)
+
+    def release_under(self, prefix: str) -> None:
+        """release() for every tensor whose name starts with `prefix`."""
+        self._sorted_names = self._sorted_names or sorted(self.infos)
+        for name in names_under(self._sorted_names, prefix):
+            self.release(name)
+
+    def close(self) -> None:
+        self.tensors.close()
+        self.reader = None
+
+
+class GGUFCheckpoint(MappedCheckpoint):
     """A GGUF file's tensors under the HF release's names (model.language_model.layers.N...., lm_head.weight) and in
     its layouts. `path` and `folder` are the .gguf file, or a split set's first part whichever part was passed
     (messages and caches name it); `files` are all its parts."""
@@ -270,15 +302,6 @@ class GGUFCheckpoint:
             return torch.cat([p.to(dtype) for p in parts], dim=1)
         return undo(info.op, parts[0], self.heads, info.shape)
 
-    def weight(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The tensor in `dtype`."""
-        value = self.raw(name)
-        if value.dtype == dtype:
-            return value
-        out = value.to(dtype)
-        self.release(name)
-        return out
-
     def weight_at(self, name: str, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Matrix `index` of a stacked tensor [N, rows, cols] (fused experts) in `dtype`."""
         info = self.infos.get(name)
@@ -293,21 +316,6 @@ class GGUFCheckpoint:
         if not isinstance(info.dtype, BlockType) or len(info.shape) != 3:
             return None
         return tuple((BLOCK_TYPES[r.type_name], self.tensors.stored(r)[index]) for r in info.sources)
-
-    def release(self, name: str) -> None:
-        """Drops the mapped pages of a tensor that was copied out (they are read again if it is used again)."""
-        self.tensors.release(self.infos[name].sources)
-
-    def release_under(self, prefix: str) -> None:
-        """release() for every tensor whose name starts with `prefix`."""
-        self._sorted_names = self._sorted_names or sorted(self.infos)
-        for name in names_under(self._sorted_names, prefix):
-            self.release(name)
-
-    def close(self) -> None:
-        self.tensors.close()
-        self.reader = None
-
 
 class MappedTensors:
     """GGUF tensors read from their files' memory maps (copy-on-write; one map per file, a split set's parts

@@ -25,9 +25,8 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from .gguf import FLOAT_TYPES, GGUFCheckpoint, MappedTensors, metadata, open_reader
+from .gguf import FLOAT_TYPES, GGUFCheckpoint, MappedCheckpoint, MappedTensors, metadata, open_reader
 from .gguf_file import BLOCK_TYPES, TensorRecord, check_gguf_file
-from .safetensors import names_under
 
 VISION = "model.visual."
 PROJECTOR_TYPE = "qwen3vl_merger"
@@ -58,7 +57,7 @@ class MmprojTensorInfo:
     sources: tuple[TensorRecord, ...]  # one GGUF tensor, or the two temporal halves of the patch embedding
 
 
-class MmprojCheckpoint:
+class MmprojCheckpoint(MappedCheckpoint):
     """An mmproj GGUF's tensors under the HF release's names (model.visual....), and its `vision_config`."""
 
     def __init__(self, path: str | Path):
@@ -223,28 +222,8 @@ class MmprojCheckpoint:
         parts = [self.tensors.as_float(r).to(info.dtype) for r in info.sources]
         return torch.stack(parts, dim=2) if len(parts) == 2 else parts[0]
 
-    def weight(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        value = self.raw(name)
-        if value.dtype == dtype:
-            return value
-        out = value.to(dtype)
-        self.release(name)
-        return out
-
     def weight_at(self, name: str, index: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return self.raw(name)[index].to(dtype)
-
-    def release(self, name: str) -> None:
-        self.tensors.release(self.infos[name].sources)
-
-    def release_under(self, prefix: str) -> None:
-        self._sorted_names = self._sorted_names or sorted(self.infos)
-        for name in names_under(self._sorted_names, prefix):
-            self.release(name)
-
-    def close(self) -> None:
-        self.tensors.close()
-        self.reader = None
 
 
 class GGUFWithVision:
