@@ -18,6 +18,7 @@ from a3b_core.prompting.tokenizer import Tokenizer
 from a3b_core.release.gguf import GGUFCheckpoint
 from a3b_core.release.gguf_config import config_from_gguf
 from a3b_core.release.safetensors import Checkpoint
+from tests.tiny_gguf import qwen2_vocabulary
 from tests.tiny_models import TEXT_PROMPT, build_fixtures
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 
@@ -203,3 +204,18 @@ def test_a_truncated_real_file_is_refused_before_loading(ggufs, tmp_path):
         path.write_bytes(data[:cut])
         with pytest.raises(CheckpointError, match="truncated or corrupt"):
             load_model(path, preset="cpu", compute_dtype="float32")
+
+
+def test_qwen2_vocabulary_gives_the_original_tokenizers_ids():
+    """Qwen2's whole tokenizer as llama.cpp ships it (models/ggml-vocab-qwen2.gguf, 151,643 BPE tokens) gives, on
+    llama.cpp's tokenizer test texts (scripts, accents, code, emoji, whitespace runs, digits), the ids the original
+    Hugging Face tokenizer gave them (the .out file beside it)."""
+    vocabulary = qwen2_vocabulary()
+    if vocabulary is None:
+        pytest.skip("llama.cpp's source package could not be downloaded")
+    ours = tokenizer_from_gguf(gguf.GGUFReader(vocabulary), str(vocabulary))
+    texts = vocabulary.with_name(vocabulary.name + ".inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    ids = vocabulary.with_name(vocabulary.name + ".out").read_text(encoding="utf-8").split("\n")
+    assert len(texts) == len(ids) > 40
+    for text, line in zip(texts[:-1], ids[:-1]):  # both files end with a separator
+        assert ours.encode(text) == [int(i) for i in line.split()], repr(text)

@@ -33,7 +33,8 @@ from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 
 SDIST = "llama-cpp-python==0.3.36"
 VENDOR = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
-NEEDED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/")
+# the converter, and Qwen2's vocabulary with llama.cpp's test texts and the ids the original tokenizer gave them
+NEEDED = ("convert_hf_to_gguf.py", "conversion/", "gguf-py/", "models/ggml-vocab-qwen2.gguf")
 WRAPPER = '''"""convert_hf_to_gguf.py, with $TOKPRE answering the pre-tokenizer check for unknown vocabularies."""
 import os, runpy, sys
 from pathlib import Path
@@ -108,10 +109,18 @@ def build_gguf_fixtures() -> GgufFixtures | None:
     return GgufFixtures(root=root, **{name: root / f"{name}.gguf" for name in CONVERSIONS})
 
 
+def qwen2_vocabulary() -> Path | None:
+    """llama.cpp's models/ggml-vocab-qwen2.gguf (beside it its .inp test texts and .out ids); None if the source
+    package cannot be downloaded."""
+    cache = Path(os.environ.get("A3B_TEST_CACHE", "/tmp/a3b-test-cache"))
+    converter = converter_dir(cache / "llama-cpp-python-0.3.36")
+    return None if converter is None else converter / "models" / "ggml-vocab-qwen2.gguf"
+
+
 def converter_dir(where: Path) -> Path | None:
     """llama.cpp's converter unpacked under `where` (downloaded the first time); None if pip cannot get it."""
     root = where / "llama.cpp"
-    if (root / "convert_hf_to_gguf.py").is_file():
+    if all((root / part).exists() for part in NEEDED):
         return root
     where.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=where.parent) as tmp:
@@ -131,8 +140,9 @@ def converter_dir(where: Path) -> Path | None:
                 tar.extract(member, staging, **safe)
         (staging / "a3b_wrapper.py").write_text(WRAPPER)
         where.mkdir(exist_ok=True)
-        if not root.exists():
-            staging.rename(root)
+        if root.exists():  # an older unpacking, without every needed part
+            shutil.rmtree(root)
+        staging.rename(root)
     return root
 
 
