@@ -25,6 +25,7 @@ from a3b_core.runtime.loader import DEMO_MODELS
 from a3b_core.formats.table import FLOAT_FORMATS
 from a3b_core.runtime.placement import CUDA_CONTEXT_BYTES, plan_for_folder
 from tests.fake_cuda import FakeCuda
+from tests.tiny_gguf import build_gguf_fixtures
 from tests.tiny_qwen3_vl import build_qwen3_vl_fixtures
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,7 +37,7 @@ MiB = 1 << 20
 
 @dataclass(frozen=True)
 class Case:
-    folder: str  # a fixtures attribute, "demo", "demo_fp8", "tied" or a Qwen3-VL fixture (see `folders`)
+    folder: str  # a fixtures attribute, "demo", "demo_fp8", "tied", a Qwen3-VL fixture or a GGUF (see `folders`)
     preset: str
     weight_format: str = "auto"
     gpu_expert_layers: int | None = None  # with preset auto: free VRAM for exactly this many expert layers
@@ -61,12 +62,14 @@ CASES = [
     Case("qwen3_vl_bf16", "auto", gpu_expert_layers=2),
     Case("qwen3_vl_fp8", "12gb"),
     Case("qwen3_vl_dense", "8gb"),
+    Case("gguf_q8_0", "8gb"),  # llama.cpp's Q8_0 file: its experts in RAM in their blocks, dense parts dequantized
+    Case("gguf_q8_0", "auto", gpu_expert_layers=2),  # two layers' experts dequantized onto the GPU
 ]
 
 
 @pytest.fixture(scope="module")
 def folders(fixtures, tmp_path_factory) -> dict[str, Path]:
-    vl = build_qwen3_vl_fixtures()
+    vl, ggufs = build_qwen3_vl_fixtures(), build_gguf_fixtures()
     tied = tmp_path_factory.mktemp("tied") / "dense_tied"
     shutil.copytree(fixtures.dense, tied)
     tensors = load_file(tied / "model.safetensors")
@@ -77,7 +80,8 @@ def folders(fixtures, tmp_path_factory) -> dict[str, Path]:
     (tied / "config.json").write_text(json.dumps(config))
     return {"demo": DEMO_MODELS["a3b-demo"], "demo_fp8": DEMO_MODELS["a3b-demo-fp8"], "tied": tied,
             **{name: getattr(fixtures, name) for name in ("moe_fused_bf16", "moe_fp8", "dense")},
-            "qwen3_vl_bf16": vl.moe_bf16, "qwen3_vl_fp8": vl.moe_fp8, "qwen3_vl_dense": vl.dense}
+            "qwen3_vl_bf16": vl.moe_bf16, "qwen3_vl_fp8": vl.moe_fp8, "qwen3_vl_dense": vl.dense,
+            **({"gguf_q8_0": ggufs.moe_q8_0} if ggufs is not None else {})}
 
 
 def free_vram_for(folder: Path, layers: int) -> int:
@@ -143,6 +147,8 @@ def moe_layers(model) -> int:
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_every_plan_runs_on_a_stand_in_gpu(case, folders, monkeypatch):
+    if case.folder not in folders:
+        pytest.skip("llama.cpp's converter could not be downloaded, so no GGUF files can be made")
     folder = folders[case.folder]
     model, fake = load_on_fake_cuda(case, folder, monkeypatch)
     plan = model.plan
