@@ -12,7 +12,8 @@ pytestmark = pytest.mark.comfyui
 
 EXPECTED = {
     "A3BModelLoader": ("A3B Model Loader", ["model", "vram_preset", "weight_format", "kv_cache", "max_context",
-                                            "keep_loaded", "device", "chat_template", "dense_format"], ["A3B_MODEL"]),
+                                            "keep_loaded", "device", "chat_template", "dense_format", "mmproj"],
+                       ["A3B_MODEL"]),
     "A3BLoRA": ("A3B LoRA", ["model", "lora", "strength"], ["A3B_MODEL"]),
     "A3BRemoteModel": ("A3B Remote Model", ["base_url", "model", "api_key_env", "timeout"], ["A3B_MODEL"]),
     "A3BImageEncode": ("A3B Image Encode", ["model", "image", "size", "resize", "srgb"], ["A3B_IMAGES"]),
@@ -75,7 +76,9 @@ def test_loader_offers_the_demo_and_the_llm_folder_models(object_info: dict) -> 
     assert inputs["dense_format"][1]["options"] == list(DENSE_FORMATS)
     assert inputs["dense_format"][1]["default"] == "auto"
     assert all(word in inputs["dense_format"][1]["tooltip"] for word in ("memory", "accuracy", "CPU"))
-    assert list(object_info["A3BModelLoader"]["input"]["optional"]) == ["device", "chat_template", "dense_format"]
+    assert list(object_info["A3BModelLoader"]["input"]["optional"]) == ["device", "chat_template", "dense_format",
+                                                                         "mmproj"]
+    assert inputs["mmproj"][1]["options"][:2] == ["auto", "none"] and inputs["mmproj"][1]["default"] == "auto"
 
 
 def test_generate_defaults_are_qwens_non_thinking_settings(object_info: dict) -> None:
