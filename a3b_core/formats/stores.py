@@ -108,7 +108,7 @@ class QuantizedExperts(nn.Module):
     def takes(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> bool:
         """Whether routed_step computes these decoding rows: only where the layout computes whole routed steps (GGUF
         blocks, by their kernels) and the tensors are plain CPU ones."""
-        layout = self.gate_up_proj.layout
+        layout = getattr(self.gate_up_proj, "layout", None)  # a stack repacked for torch's kernels has none
         return hasattr(layout, "takes_step") and plain_cpu(self.gate_up_proj.q, x, top_i, top_p) and \
             layout.takes_step(self.down_proj.layout, x.shape[0])
 
