@@ -131,6 +131,9 @@ class MappedCheckpoint:
     reader: Any
     _sorted_names: list[str]
 
+    def __contains__(self, name: str) -> bool:
+        return name in self.infos
+
     def weight(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor in `dtype` (a copy releases the mapped pages it was made from)."""
         value = self.raw(name)
@@ -285,9 +288,6 @@ class GGUFCheckpoint(MappedCheckpoint):
                                   "metadata contradicts the tensors. Convert the model again.")
 
     # ------------------------------------------------------------------------------------------------ tensors
-    def __contains__(self, name: str) -> bool:
-        return name in self.infos
-
     def raw(self, name: str) -> torch.Tensor:
         """The tensor as the HF release has it: a view of the mapped file where the converter only renamed it, else
         a new tensor with the converter's change undone."""

@@ -209,9 +209,6 @@ class MmprojCheckpoint(MappedCheckpoint):
                                   "another converter: convert it again.")
 
     # ------------------------------------------------------------------------------------------------ tensors
-    def __contains__(self, name: str) -> bool:
-        return name in self.infos
-
     def raw(self, name: str) -> torch.Tensor:
         """The tensor as the HF release has it (the patch embedding's halves stacked again)."""
         info = self.infos.get(name)
