@@ -84,6 +84,35 @@ def test_kernel_row_results_do_not_depend_on_the_batch():
     assert torch.equal(together, alone)
 
 
+@pytest.mark.parametrize("type_id", [Q4_K, Q6_K, Q8_0], ids=["Q4_K", "Q6_K", "Q8_0"])
+def test_vector_dots_equal_the_loop_dots(type_id):
+    """The hand-written vector dots (gguf_vector.py) and the loops CPUs without AVX2 and F16C run give one result, up to
+    fp32 rounding; the blocks' fp16 scales include subnormal ones."""
+    compiled = gguf_blocks.kernels()
+    if compiled is None or not compiled.VECTOR_TYPES:
+        pytest.skip("the vector dots need numba and a CPU with AVX2 and F16C")
+    from numba import njit
+
+    @njit
+    def both(type_id, blocks, codes, extra):
+        extra = compiled.planar(extra)
+        out = np.empty((2, blocks.shape[0]), np.float32)
+        for r in range(blocks.shape[0]):
+            out[0, r] = compiled.loop_coded_dot(type_id, blocks[r], codes[0], extra[0])
+            out[1, r] = compiled.vector_coded_dot(type_id, blocks[r], codes[0], extra[0])
+        return out
+
+    blocks, cols = matrix_blocks(type_id, 24, 3, seed=7)
+    scale_at = {Q4_K: 0, Q6_K: 208, Q8_0: 0}[type_id]
+    blocks[::3, scale_at:scale_at + 2] = [3, 0]  # d = 3 * 2^-24, a subnormal fp16, in every third row's first block
+    x = np.random.default_rng(8).standard_normal((1, cols), dtype=np.float32)
+    extra, codes = compiled.coded_groups(x, cols // 32)
+    loop, vector = both(type_id, blocks, codes, extra)
+    weights = dequantize(blocks, GGMLQuantizationType(type_id))
+    bound = np.abs(x) @ np.abs(weights).T
+    assert np.all(np.abs(loop - vector) <= 1e-5 * bound[0] + 1e-30)
+
+
 def test_bad_inputs_name_the_type_and_fix():
     blocks, cols = matrix_blocks(Q4_0, 2, 2, seed=0)
     with pytest.raises(CheckpointError, match="type id 16"):

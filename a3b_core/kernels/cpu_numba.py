@@ -53,10 +53,16 @@ CODE_GROUP = 128  # int8 rows' activations are coded per this many inputs (row_e
 KEY_BLOCK = 256  # cached tokens per parallel work item of attend_cached
 
 
+def host_features() -> set[str]:
+    """The CPU features numba compiles for, as LLVM names them ("+avx2", "+f16c", ...); empty where numba does not
+    report them."""
+    return set(getattr(cpu_target.target_context.codegen(), "_tm_features", "").split(","))
+
+
 def pmadd_lanes() -> int:
     """The int16 lanes of the widest multiply-and-add-pairs instruction (pmaddwd) numba compiles for: 32 with
     AVX-512 BW, 16 with AVX2, 0 elsewhere (other CPUs, or features numba does not report)."""
-    features = set(getattr(cpu_target.target_context.codegen(), "_tm_features", "").split(","))
+    features = host_features()
     return 32 if "+avx512bw" in features else 16 if "+avx2" in features else 0
 
 

@@ -18,6 +18,7 @@ import numpy as np
 from numba import njit, prange
 
 from .cpu_numba import coded_groups
+from .gguf_vector import VECTOR_TYPES, q4_k_vector_row, q6_k_vector_row, q8_0_vector_row
 from .gguf_types import IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0
 
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorized); no assumption that values are finite
@@ -271,8 +272,8 @@ def q4_k_dot(row, codes, extra, blocks):
                 sc, m = k_scale_min(row, at + 4, 2 * c + h)
                 g = 8 * b + 2 * c + h
                 dot = np.float32(low if h == 0 else high)
-                acc += d * np.float32(sc) * (dot * extra[3 * g] + extra[3 * g + 2]) \
-                    - dmin * np.float32(m) * extra[3 * g + 1]
+                acc += d * np.float32(sc) * (dot * extra[0, g] + extra[2, g]) \
+                    - dmin * np.float32(m) * extra[1, g]
     return acc
 
 
@@ -303,7 +304,7 @@ def q6_k_dot(row, codes, extra, blocks):
                     second_half = np.int32(second_half + q6_code(row, low_at, shift, high_at, high_shift, 16 + k)
                                            * np.int32(codes[first + 16 + k]))
                 scales = at + 192 + 8 * h + 2 * s
-                acc += d * extra[3 * (first // 32)] * (np.float32(np.int8(row[scales])) * np.float32(first_half)
+                acc += d * extra[0, first // 32] * (np.float32(np.int8(row[scales])) * np.float32(first_half)
                                                         + np.float32(np.int8(row[scales + 1])) * np.float32(second_half))
     return acc
 
@@ -318,7 +319,7 @@ def q8_0_dot(row, codes, extra, blocks):
         dot = np.int32(0)
         for k in range(32):
             dot = np.int32(dot + np.int32(signed[at + 2 + k]) * np.int32(codes[32 * b + k]))
-        acc += half_at(row, at) * extra[3 * b] * np.float32(dot)
+        acc += half_at(row, at) * extra[0, b] * np.float32(dot)
     return acc
 
 
@@ -362,8 +363,9 @@ def coded_values(type_id, row, dst):
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
-def coded_dot(type_id, row, codes, extra):
-    """A CODED_TYPES row (its bytes) dotted with one row of coded activations."""
+def loop_coded_dot(type_id, row, codes, extra):
+    """A CODED_TYPES row (its bytes) dotted with one row of coded activations (planar: extra [3, inputs / 32]), in
+    loops LLVM vectorizes."""
     per_row = codes.shape[0] // block_elems(type_id)
     if type_id == Q4_K:
         return q4_k_dot(row, codes, extra, per_row)
@@ -372,11 +374,33 @@ def coded_dot(type_id, row, codes, extra):
     return q8_0_dot(row, codes, extra, per_row)
 
 
+@njit(cache=True, fastmath=FAST, inline="always")
+def vector_coded_dot(type_id, row, codes, extra):
+    """loop_coded_dot in gguf_vector.py's vector code."""
+    per_row = codes.shape[0] // block_elems(type_id)
+    if type_id == Q4_K:
+        return q4_k_vector_row(row, codes, extra[0], extra[1], extra[2], per_row)
+    if type_id == Q6_K:
+        return q6_k_vector_row(row, codes, extra[0], extra[1], extra[2], per_row)
+    return q8_0_vector_row(row, codes, extra[0], extra[1], extra[2], per_row)
+
+
+coded_dot = vector_coded_dot if VECTOR_TYPES else loop_coded_dot
+
+
+@njit(cache=True)
+def planar(extra):
+    """cpu_numba.coded_groups' extra [T, 3 * groups] as [T, 3, groups]: the groups' steps, sums and corrections each
+    in a run, which the dots read in loops LLVM vectorizes."""
+    return np.ascontiguousarray(extra.reshape(extra.shape[0], extra.shape[1] // 3, 3).transpose(0, 2, 1))
+
+
 @njit(cache=True, fastmath=FAST, parallel=True)
 def coded_product_rows(type_id, blocks, codes, extra, out):
     """out[t, r] = dot(row r of blocks' weights, x[t]) for a CODED_TYPES matrix (blocks uint8 [rows, row_bytes]) and
     the activations coded by cpu_numba.coded_groups(x, cols / 32) (codes int16 [T, cols], extra [T, 3 * cols / 32])."""
     rows, count = blocks.shape[0], codes.shape[0]
+    extra = planar(extra)
     for item in prange((rows + ROW_BLOCK - 1) // ROW_BLOCK):
         for r in range(item * ROW_BLOCK, min(rows, (item + 1) * ROW_BLOCK)):
             for t in range(count):
@@ -397,6 +421,7 @@ def coded_routed_step(types, row_bytes, inter, gate_up, down, codes, extra, ids,
     slots = tokens * top_k
     gate_bytes = inter * row_bytes[0]
     act = np.empty((slots, inter), np.float32)
+    extra = planar(extra)
     blocks = (inter + ROW_BLOCK - 1) // ROW_BLOCK
     for item in prange(slots * blocks):  # a work item: a block of one slot's gate and up rows, then SiLU(gate) * up
         s, b = item // blocks, item % blocks
@@ -407,6 +432,7 @@ def coded_routed_step(types, row_bytes, inter, gate_up, down, codes, extra, ids,
                            codes[t], extra[t])
             act[s, i] = gate / (1 + np.exp(-gate)) * up
     act_extra, act_codes = coded_groups(act, inter // 32)
+    act_extra = planar(act_extra)
     for b in prange((hidden + ROW_BLOCK - 1) // ROW_BLOCK):  # a work item: a block of output rows, expert by expert
         for r in range(b * ROW_BLOCK, min(hidden, (b + 1) * ROW_BLOCK)):
             for t in range(tokens):
