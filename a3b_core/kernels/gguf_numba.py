@@ -17,7 +17,9 @@ import numba
 import numpy as np
 from numba import njit, prange
 
+from . import cpu_numba, gguf_vector
 from .cpu_numba import coded_groups
+from .numba_threads import key_cache_on
 from .gguf_vector import VECTOR_TYPES, q4_k_vector_row, q6_k_vector_row, q8_0_vector_row
 from .gguf_types import IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0
 
@@ -442,3 +444,7 @@ def coded_routed_step(types, row_bytes, inter, gate_up, down, codes, extra, ids,
                     row = down[ids[t, j], r * row_bytes[2]:(r + 1) * row_bytes[2]]
                     total += weights[t, j] * coded_dot(types[2], row, act_codes[s], act_extra[s])
                 out[t, r] = total
+
+
+# the coded kernels compile gguf_vector.py's vector code and cpu_numba.py's coded_groups in: stamped with their text
+key_cache_on((coded_product_rows, coded_routed_step), gguf_vector.__file__, cpu_numba.__file__)

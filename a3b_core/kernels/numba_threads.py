@@ -1,11 +1,14 @@
 """What numba's kernel modules (cpu_numba.py, gguf_numba.py) share: the switch that turns them off (A3B_NO_NUMBA=1),
-how a module is compiled and checked before use, one lock and one thread count."""
+how a module is compiled and checked before use, the disk cache's stamp of kernels made of other files' code, one
+lock and one thread count."""
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import ModuleType
 import torch
 
@@ -43,3 +46,15 @@ def checked_module(load: Callable[[], ModuleType], check: Callable[[ModuleType],
                       "to skip the attempt.", stacklevel=3)
         return None
     return module
+
+
+def key_cache_on(kernels: Iterable[object], *sources: str) -> None:
+    """Adds a hash of the `sources` files' text to the disk cache stamp of each numba kernel (numba stamps a
+    function's own file only), so that once a file whose code they compile in changes (an update of the pack), they
+    are compiled again instead of loading copies of the old code. The stamp lives in numba's private cache object; a
+    numba without it keeps its own stamp."""
+    digest = hashlib.sha256(b"".join(Path(source).read_bytes() for source in sources)).hexdigest()
+    for kernel in kernels:
+        cache_file = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
+        if hasattr(cache_file, "_source_stamp"):
+            cache_file._source_stamp = (cache_file._source_stamp, digest)

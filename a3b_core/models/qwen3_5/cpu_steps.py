@@ -6,13 +6,11 @@ Imported only once the generic kernels compile (it imports numba). Weights come 
 numba reads in nopython mode), built once when the kernels are attached: a matrix is a kernels.arrays.Matrix (its
 format code and the arrays the kernels read); each intermediate is rounded to bf16 where torch's bf16 path rounds it.
 numba's on-disk cache of these kernels holds the generic kernels they call compiled in, while numba itself notices
-changes to this file only: key_cache_on_generic_kernels adds a hash of kernels/cpu_numba.py to their cache's stamp,
+changes to this file only: numba_threads.key_cache_on adds a hash of kernels/cpu_numba.py to their cache's stamp,
 so a changed generic kernel (an update of the pack) compiles them again.
 """
 from __future__ import annotations
 
-import hashlib
-from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
@@ -20,6 +18,7 @@ from numba import njit, prange
 
 from ...kernels import cpu_numba
 from ...kernels.arrays import Matrix
+from ...kernels.numba_threads import key_cache_on
 from ...kernels.cpu_numba import (FAST, attend_cached, bf16_bits, bf16_half_bits, bf16_product, bf16_rows,
                                   normed_bf16, rms_norm_rows, rotate_half, round_bf16, routed_step)
 
@@ -314,17 +313,6 @@ def attention_layer_step(norms, mixer, moe, cos, sin, keys, values, start, x_bit
     residual_moe(x, product(mixer.o, mixed), norms, moe, out)
 
 
-def key_cache_on_generic_kernels() -> None:
-    """Adds a hash of cpu_numba.py's text to the disk cache stamp of every kernel here (numba stamps a function's own
-    file's text only), so that once cpu_numba.py changes, these kernels are compiled again, together with the generic
-    kernels, instead of loading copies of the old ones. The stamp lives in numba's private cache object; a numba
-    without it keeps its own stamp."""
-    generic = hashlib.sha256(Path(cpu_numba.__file__).read_bytes()).hexdigest()
-    for kernel in (gated_delta_step, product, sparse_moe_step, moe_step, residual_moe, deltanet_layer_step,
-                   attention_layer_step):
-        cache_file = getattr(getattr(kernel, "_cache", None), "_cache_file", None)
-        if hasattr(cache_file, "_source_stamp"):
-            cache_file._source_stamp = (cache_file._source_stamp, generic)
-
-
-key_cache_on_generic_kernels()
+# the kernels here compile cpu_numba.py's generic kernels in: stamped with its text too
+key_cache_on((gated_delta_step, product, sparse_moe_step, moe_step, residual_moe, deltanet_layer_step,
+              attention_layer_step), cpu_numba.__file__)
