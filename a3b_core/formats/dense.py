@@ -1,6 +1,7 @@
-"""The text model's dense matrices on the CPU held as int8 or int4 (load option dense_format): the attention and
-DeltaNet projections, the shared experts' and dense MLPs' matrices and an untied lm_head, each quantized per output
-row exactly as one routed expert's matrix is (a QuantizedStack of one matrix: same quantization, same products).
+"""The text model's dense matrices on the CPU held as int8 or int4 (load option dense_format), or kept in a GGUF
+file's blocks: the attention and DeltaNet projections, the shared experts' and dense MLPs' matrices and an untied
+lm_head, each held exactly as one routed expert's matrix is (a QuantizedStack of one matrix: quantized per output row
+the same way, or the file's blocks as stored; the same products).
 
 Kept in the compute dtype: the routers and the shared expert's gate (they choose and weigh experts, where a small
 error flips a choice), DeltaNet's in_proj_a / in_proj_b (per-head decay and gate inputs, tiny), the embedding table
@@ -9,6 +10,7 @@ error flips a choice), DeltaNet's in_proj_a / in_proj_b (per-head decay and gate
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -29,25 +31,43 @@ def is_quantised_dense(name: str, shape: tuple[int, ...]) -> bool:
     return name.endswith(".weight") and len(shape) == 2 and leaf not in FLOAT_LINEARS and leaf != "embed_tokens"
 
 
+class ReleasedMatrix(NamedTuple):
+    """A dense matrix [out, in] as the checkpoint stores it, for a format kept as released (GGUF: its parts, as
+    QuantizedStack.set_released takes them), and the order its product reads its inputs in (None: as given)."""
+    shape: tuple[int, int]
+    parts: tuple
+    input_order: torch.Tensor | None
+
+
 class QuantizedLinear(nn.Module):
     """A bias-free Linear held as int8 (symmetric, one scale per output row) or int4 (asymmetric, groups of 128
-    inputs, or 64/32 where the input size asks), its products of few rows computed by the numba kernels or torch's
-    weight-only CPU kernels (experts.QuantizedStack says which); the output is in the input's dtype.
+    inputs, or 64/32 where the input size asks), or in a GGUF file's blocks (its inputs reordered first where the
+    converter reordered its columns), its products of few rows computed by the numba kernels or torch's weight-only
+    CPU kernels (experts.QuantizedStack says which); the output is in the input's dtype.
 
     Error bounds against the fp32 model on the tiny test checkpoints (tests/test_dense_quant.py; logits' spread, max -
     min per token, ~3.4): mean |logit error| under 0.1 (3% of the spread) with int8, under 0.6 (18%) with int4; the
     worst logit under 0.4 / 3.0 on the dense model, under 2.5 / 4.0 on the MoE, where it is a flipped router choice."""
 
-    def __init__(self, fmt: str, weight: torch.Tensor):
+    def __init__(self, fmt: str, weight: torch.Tensor | ReleasedMatrix):
+        """weight: a float matrix quantized into `fmt`, or a ReleasedMatrix kept as stored (GGUF blocks)."""
         super().__init__()
-        self.matrix = QuantizedStack(fmt, (1, *weight.shape))
-        self.fmt = self.matrix.fmt
         self.out_features, self.in_features = weight.shape
-        for first in range(0, weight.shape[0], QUANTISE_ROWS):
-            self.matrix.set(0, weight[first:first + QUANTISE_ROWS].float(), first)
+        if isinstance(weight, ReleasedMatrix):
+            stored = (tuple((kind, part.shape[0]) for kind, part in weight.parts),)
+            self.matrix = QuantizedStack(fmt, (1, *weight.shape), stored=stored)
+            self.matrix.set_released(0, *weight.parts)
+        else:
+            self.matrix = QuantizedStack(fmt, (1, *weight.shape))
+            for first in range(0, weight.shape[0], QUANTISE_ROWS):
+                self.matrix.set(0, weight[first:first + QUANTISE_ROWS].float(), first)
+        self.register_buffer("input_order", weight.input_order if isinstance(weight, ReleasedMatrix) else None)
+        self.fmt = self.matrix.fmt
         self.rows_kernel = None  # step_kernels.DenseKernel: products of few rows, when the numba kernels load
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_order is not None:
+            x = x.index_select(-1, self.input_order)
         if self.rows_kernel is not None and self.rows_kernel.takes(x):
             return self.rows_kernel(x)
         rows = self.matrix.matmul(0, x.reshape(-1, x.shape[-1]))

@@ -16,7 +16,8 @@ from ..errors import CheckpointError
 from ..formats.fp8 import FP8_BLOCK, Fp8Linear
 from ..formats.gguf import GgufBlocks
 from ..formats.stores import QuantizedExperts, convert_experts
-from ..formats.table import FLOAT_FORMATS, FORMAT_OF_DTYPE, format_named
+from ..formats.dense import QuantizedLinear, ReleasedMatrix, is_quantised_dense
+from ..formats.table import FLOAT_FORMATS, FORMAT_OF_DTYPE, FP8, GGUF, format_named
 from ..release.config import ModelConfig, StoredLayers
 from ..release.safetensors import FP8_DTYPES, Checkpoint
 from ..release.weights import Progress, check_shape, checked, find_prefix, load_module, move, prefix_of
@@ -48,16 +49,17 @@ ExpertPlacement = Callable[[int], tuple[str, torch.device]]  # layer -> (expert 
 
 def load_text_model(module: nn.Module, cfg: Any, ckpt: Checkpoint, compute_dtype: torch.dtype,
                     progress: Progress | None = None, expert_placement: ExpertPlacement | None = None,
-                    cache_dirs: Mapping[str, Path] | None = None, keep_fp8: bool = False) -> str:
+                    cache_dirs: Mapping[str, Path] | None = None, released_dense: str | None = None) -> str:
     """Fills a meta-device text model (layers.DecoderModel; `cfg` has the fields layers.py reads). Routed experts
     follow `expert_placement` (default: the compute dtype, on the CPU): float formats are loaded on the CPU (placing
     the model moves them), quantized ones are built on their device; int8/int4 are converted one expert at a time
     and cached under `cache_dirs[format]` for the next load.
-    With `keep_fp8`, dense matrices stored as FP8 stay FP8 (Fp8Linear). A tied lm_head is the embedding's own
-    Parameter. Returns the checkpoint's name prefix."""
+    `released_dense` fp8: dense matrices stored as FP8 stay FP8 (Fp8Linear); gguf: dense matrices that
+    formats/dense.py quantizes stay in a GGUF's blocks where it stores them so (QuantizedLinear). A tied lm_head is
+    the embedding's own Parameter. Returns the checkpoint's name prefix."""
     prefix = find_prefix(ckpt, "embed_tokens.weight", TEXT_PREFIXES, "language model")
-    if keep_fp8:
-        keep_fp8_linears(module, ckpt, prefix)
+    if released_dense is not None:
+        keep_released_linears(module, ckpt, prefix, released_dense)
     placement = expert_placement or (lambda layer: (FORMAT_OF_DTYPE[compute_dtype], torch.device("cpu")))
     float_experts: dict[int, torch.dtype] = {}
     for layer, block in enumerate(module.layers):
@@ -91,16 +93,25 @@ def load_text_model(module: nn.Module, cfg: Any, ckpt: Checkpoint, compute_dtype
     return prefix
 
 
-def keep_fp8_linears(module: nn.Module, ckpt: Checkpoint, prefix: str) -> None:
-    """Swaps each bias-free Linear whose checkpoint weight is FP8 (with block scales) for an Fp8Linear."""
+def keep_released_linears(module: nn.Module, ckpt: Checkpoint, prefix: str, fmt: str) -> None:
+    """Swaps each bias-free Linear whose checkpoint weight is stored in `fmt` for a module that keeps it so: FP8
+    (with block scales) an Fp8Linear; GGUF blocks, for the matrices formats/dense.py quantizes, a QuantizedLinear
+    (the mapped pages are then dropped: the blocks are copied)."""
     for name, child in list(module.named_modules()):
         source = f"{prefix}{name}.weight"
-        if (isinstance(child, nn.Linear) and child.bias is None and source + "_scale_inv" in ckpt
-                and ckpt.infos[source].dtype in FP8_DTYPES):
-            check_shape(ckpt, source, tuple(child.weight.shape))
-            parent, _, leaf = name.rpartition(".")
-            setattr(module.get_submodule(parent), leaf,
-                    Fp8Linear(ckpt.raw(source), ckpt.raw(source + "_scale_inv"), ckpt.fp8_block))
+        if not (isinstance(child, nn.Linear) and child.bias is None and source in ckpt):
+            continue
+        check_shape(ckpt, source, tuple(child.weight.shape))
+        parent, _, leaf = name.rpartition(".")
+        if fmt == FP8 and source + "_scale_inv" in ckpt and ckpt.infos[source].dtype in FP8_DTYPES:
+            kept = Fp8Linear(ckpt.raw(source), ckpt.raw(source + "_scale_inv"), ckpt.fp8_block)
+        elif fmt == GGUF and is_quantised_dense(source, tuple(child.weight.shape)) \
+                and (blocks := ckpt.matrix_blocks(source)) is not None:
+            kept = QuantizedLinear(GGUF, ReleasedMatrix(tuple(child.weight.shape), *blocks))
+            ckpt.release(source)
+        else:
+            continue
+        setattr(module.get_submodule(parent), leaf, kept)
 
 
 def load_experts(ckpt: Checkpoint, base: str, cfg: Any, which: str, dtype: torch.dtype) -> torch.Tensor:

@@ -78,6 +78,9 @@ QWEN3VL_LAYER = {
     "attn_k_norm.weight": ("self_attn.k_norm.weight", "copy"),
 }
 EXPERT_HALVES = ("ffn_gate_exps.weight", "ffn_up_exps.weight")  # -> mlp.experts.gate_up_proj, concatenated
+# the converter's changes a block-quantized tensor can be kept through in its blocks: whole rows reordered (and
+# matrices' halves joined) are the same blocks; reordered columns are undone on the product's inputs (matrix_blocks)
+BLOCK_OPS = ("copy", "cat", "v_rows", "heads_rows", "heads_cols")
 
 
 @dataclass(frozen=True)
@@ -264,7 +267,7 @@ class GGUFCheckpoint(MappedCheckpoint):
             shape = (1, shape[-1])
         dtypes = {FLOAT_TYPES.get(r.type_name) or BLOCK_TYPES[r.type_name] for r in sources}
         blocks = [d for d in dtypes if isinstance(d, BlockType)]
-        if op in ("copy", "cat") and len(blocks) == len(dtypes):
+        if op in BLOCK_OPS and len(blocks) == len(dtypes):
             dtype = BLOCK_TYPES[sources[0].type_name] if len(blocks) == 1 else halves_type(*(BLOCK_TYPES[r.type_name] for r in sources))
         elif op in ("norm", "a_log") or len(dtypes) > 1 or blocks:
             dtype = torch.float32  # changed by the converter, or mixed: read as fp32
@@ -316,6 +319,23 @@ class GGUFCheckpoint(MappedCheckpoint):
         if not isinstance(info.dtype, BlockType) or len(info.shape) != 3:
             return None
         return tuple((BLOCK_TYPES[r.type_name], self.tensors.stored(r)[index]) for r in info.sources)
+
+    def matrix_blocks(self, name: str) -> tuple[tuple[tuple[BlockType, torch.Tensor], ...], torch.Tensor | None] | None:
+        """A dense matrix kept in blocks, as ((block type, bytes [rows, bytes per row]),) with the converter's row
+        reorder undone, and the order its product must read its inputs in (x[..., order] times the stored matrix is
+        the release's product where the converter reordered its columns; None where it did not); None if the matrix
+        is not kept in blocks."""
+        info = self.infos[name]
+        if not isinstance(info.dtype, BlockType) or len(info.shape) != 2:
+            return None
+        record, = info.sources
+        stored = self.tensors.stored(record)
+        if info.op != "heads_cols":
+            return ((info.dtype, undo(info.op, stored, self.heads, tuple(stored.shape))),), None
+        # the release's column j is the stored column order[j]: its input j multiplies that stored column
+        order = undo(info.op, torch.arange(info.shape[1])[None], self.heads, info.shape)[0]
+        return ((info.dtype, stored),), torch.argsort(order)
+
 
 class MappedTensors:
     """GGUF tensors read from their files' memory maps (copy-on-write; one map per file, a split set's parts

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError, ConfigError, ImageError, PromptError, VideoError
-from ..formats.table import CONVERTED_FORMATS, FORMAT_OF_DTYPE, FP8
+from ..formats.table import CONVERTED_FORMATS, FORMAT_OF_DTYPE, format_named
 from ..media import image as image_pipeline
 from ..media import video as video_pipeline
 from ..models import family_of
@@ -362,7 +362,7 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
             text = family.text_model(config.text)
         text_prefix = family.load_text(text, config.text, ckpt, dtype, progress, expert_placement,
                                        {fmt: expert_cache_dir(experts_from, fmt) for fmt in CONVERTED_FORMATS},
-                                       keep_fp8=plan.dense_format == FP8)
+                                       released_dense=plan.dense_format if format_named(plan.dense_format).as_released else None)
         vision, vision_prefix = None, ""
         if plan.vision_device != "none":
             with torch.device("meta"):

@@ -222,6 +222,9 @@ class Inventory:
         self.expert_blocks = sorted({name for d in expert_types for name in str(d).split("+")}) \
             if expert_types and all(isinstance(d, BlockType) for d in expert_types) else []
         self.dense_fp8 = any(d in FP8_DTYPES for g in DENSE_GROUPS for _, d in self.groups.get(g, {}).values())
+        # the block types of a GGUF's dense matrices that dense.py would quantize, kept in their blocks on the CPU
+        self.dense_blocks = sorted({str(d) for g in DENSE_GROUPS for name, (shape, d) in self.groups.get(g, {}).items()
+                                    if isinstance(d, BlockType) and is_quantised_dense(name, shape)})
         self._layer_bytes: dict[tuple[int, str], int] = {}
 
     def bytes(self, group: str, fmt: str) -> int:
@@ -292,13 +295,15 @@ class _Planner:
         """gpu_budget 0 plans for the CPU alone. Raises _NoFit when VRAM or RAM is too small."""
         inv, gpu, notes, compute = self.inv, gpu_budget > 0, list(notes), self.compute_format
         dense_dev = "cuda" if gpu else "cpu"
-        dense_fmt = self._gpu_dense_format(gpu_budget) if gpu else \
-            compute if self.dense_format == "auto" else self.dense_format
+        dense_fmt = self._gpu_dense_format(gpu_budget) if gpu else self._cpu_dense_format()
         parts = self._dense_parts(dense_dev, dense_fmt)
         notes.append(f"dense parts (mixers, shared experts, routers, norms, lm_head) on the "
                      f"{'GPU' if gpu else 'CPU'} in {dense_fmt}"
                      + (f" as the checkpoint stores them ({compute} where it is not fp8), dequantized per use: "
                         f"{compute} would not leave room for the cache" if dense_fmt == FP8 else "")
+                     + (f": their matrices kept in the GGUF file's blocks ({', '.join(self.inv.dense_blocks)}) and "
+                        f"computed from them (routers, gates, embeddings and norms in {compute})"
+                        if dense_fmt == GGUF else "")
                      + (f" (weight-only, as asked; routers, gates and embeddings stay {compute})"
                         if format_named(dense_fmt).converted else ""))
         embed = inv.bytes("embed_tokens", compute)
@@ -370,16 +375,24 @@ class _Planner:
         return parts
 
     def _dense_part(self, group: str, device: str, fmt: str) -> PlanPart:
-        """One dense group in `fmt`; in int8 / int4 only the matrices is_quantised_dense names are, the rest stay in
-        the compute format."""
+        """One dense group in `fmt`; in int8 / int4 only the matrices is_quantised_dense names are, in gguf those of
+        them the file stores in blocks; the rest stay in the compute format."""
         inv = self.inv
-        if not format_named(fmt).converted:
+        if not (format_named(fmt).converted or fmt == GGUF):
             return PlanPart(group, device, inv.label(group, fmt), inv.bytes(group, fmt))
         tensors = inv.groups[group]
-        quantized = {name for name, (shape, _) in tensors.items() if is_quantised_dense(name, shape)}
+        quantized = {name for name, (shape, dtype) in tensors.items() if is_quantised_dense(name, shape)
+                     and (fmt != GGUF or isinstance(dtype, BlockType))}
         size = sum(tensor_bytes(name, shape, dtype, fmt if name in quantized else self.compute_format)
                    for name, (shape, dtype) in tensors.items())
         return PlanPart(group, device, fmt if quantized else inv.label(group, self.compute_format), size)
+
+    def _cpu_dense_format(self) -> str:
+        """dense_format as asked; auto: the compute format, or a GGUF's blocks where the file stores its dense
+        matrices in blocks and the compute format is not fp32 (the reference mode keeps every weight exact)."""
+        if self.dense_format != "auto":
+            return self.dense_format
+        return GGUF if self.inv.dense_blocks and self.compute_format != FP32 else self.compute_format
 
     def _gpu_dense_format(self, gpu_budget: int) -> str:
         """The compute format, unless the checkpoint stores dense parts in FP8 and, in the compute format, they would
