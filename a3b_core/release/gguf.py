@@ -334,7 +334,8 @@ class GGUFCheckpoint(MappedCheckpoint):
             return ((info.dtype, undo(info.op, stored, self.heads, tuple(stored.shape))),), None
         # the release's column j is the stored column order[j]: its input j multiplies that stored column
         order = undo(info.op, torch.arange(info.shape[1])[None], self.heads, info.shape)[0]
-        return ((info.dtype, stored),), torch.argsort(order)
+        unchanged = torch.equal(order, torch.arange(info.shape[1]))  # as many value heads as key heads
+        return ((info.dtype, stored),), None if unchanged else torch.argsort(order)
 
 
 class MappedTensors:
