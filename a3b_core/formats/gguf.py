@@ -1,7 +1,7 @@
 """GGUF block-quantized matrices (Q8_0, Q4_K, Q6_K, ... as llama.cpp's quantizer writes them), kept as the file
 stores them: no conversion, no cache, and products computed from the blocks by kernels/gguf_blocks.py. The routed
-experts of a quantized GGUF are held this way on the CPU; the blocks are the file's, so they take what the file
-takes.
+experts of a quantized GGUF are held this way on the CPU, and so are its dense matrices (formats/dense.py's
+QuantizedLinear, a stack of one matrix); the blocks are the file's, so they take what the file takes.
 
 A stack's matrices may hold parts of different types: llama.cpp quantizes a layer's gate and up halves separately
 (one fused gate_up matrix here) and may give the down matrix more bits than both (Q4_K_M).

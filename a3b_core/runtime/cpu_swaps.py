@@ -5,8 +5,9 @@ On the CPU (kernels/cpu_linear.py, kernels/onednn_packing.py, formats/): bf16 Li
 text model take torch's matrix-vector kernel for one or two rows, input projections that read the same input are
 fused into one product, and the vision tower's bf16 matrices are packed for oneDNN. Where oneDNN has no bf16 kernels
 (CPUs without AVX-512) bf16 products of more rows, the vision tower's included, are computed in fp32. With
-dense_format int8 or int4 the text model's dense matrices are quantized first (formats/dense.py); an owner whose
-input projections are then not all bf16 Linears is not fused. Quantized expert stores and FP8 dense layers
+dense_format int8 or int4 the text model's dense matrices are quantized first (formats/dense.py), and with gguf they
+were kept in the file's blocks at load (models/checkpoint_layout.py); an owner whose input projections are then not
+all bf16 Linears is not fused. Quantized expert stores and FP8 dense layers
 (formats/stores.py, fp8.py) are built by the family's loader; int8, int4, FP8 and bf16 ones on the CPU compute a
 decoding step's routed experts in one numba call per layer (formats/kernel_stores.py, kernels/cpu_numba.py) when
 numba is there; with numba, a model whose compute dtype is not fp32 also decodes its int8, int4 and large bf16 dense

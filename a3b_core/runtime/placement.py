@@ -8,7 +8,8 @@ whole layers of routed experts as fit; and embed_tokens (a row lookup, fine on t
 is on the GPU. Dense parts are held in the compute format (bf16, fp16 or fp32); an FP8 checkpoint's dense parts stay
 FP8 on the GPU only when the compute format would not leave room for the cache at the full context; on the CPU,
 dense_format int8 / int4 holds their matrices quantized (formats/dense.py says which), counted here at that size
-(a GPU's dense parts are refused in int8 / int4: torch's weight-only kernels for them are the CPU's). Routed experts
+(a GPU's dense parts are refused in int8 / int4: torch's weight-only kernels for them are the CPU's), and auto keeps a
+GGUF's block-quantized dense matrices in their blocks (unless the compute format is fp32). Routed experts
 left over live in RAM and are computed by the CPU; RAM must hold them (weight format auto: int8, or int4 when RAM is
 short), whatever else is in RAM, and CPU_WORKSPACE_BYTES. "auto" plans for the free VRAM (torch.cuda.mem_get_info)
 and MemAvailable; a plan without a GPU budget (preset cpu, or no accelerator) keeps everything in RAM.
