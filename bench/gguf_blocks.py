@@ -11,21 +11,21 @@ Rounds interleave the two products; medians are printed. The matrices (4-9 MiB o
 partly in a large L3 cache: these are compute rates more than memory-bound ones.
 
 An AMD EPYC (AVX2, 2 vCPUs), 2 threads, 2048 x 2048, one row (median of 200 calls each); Q4_K, Q6_K and Q8_0 are
-multiplied in integers, the others decoded to fp32:
+multiplied in integers (kernels/gguf_vector.py), the others decoded to fp32:
 
     type     kernel us  GB/s  bf16 us  GB/s  bf16/kernel time
-    Q4_0       3900     0.60    396    21.2   0.10
-    Q4_1       4251     0.62    396    21.2   0.09
-    Q5_0       3211     0.90    398    21.1   0.12
-    Q5_1       3573     0.88    399    21.1   0.11
-    Q8_0       1266     3.52    401    20.9   0.32
-    Q2_K       3492     0.39    399    21.1   0.11
-    Q3_K       4250     0.42    397    21.1   0.09
-    Q4_K        368     6.41    399    21.0   1.08
-    Q5_K       2282     1.26    404    20.8   0.18
-    Q6_K        451     7.63    399    21.0   0.88
-    IQ4_NL     3577     0.66    401    20.9   0.11
-    IQ4_XS     2781     0.80    396    21.2   0.14
+    Q4_0       6008     0.39    427    19.7   0.07
+    Q4_1       6817     0.38    540    15.5   0.08
+    Q5_0       4250     0.68    431    19.5   0.10
+    Q5_1       3614     0.87    398    21.1   0.11
+    Q8_0        212    20.98    401    20.9   1.89
+    Q2_K       4376     0.31    468    17.9   0.11
+    Q3_K       4349     0.41    410    20.4   0.09
+    Q4_K        202    11.70    416    20.2   2.06
+    Q5_K       4623     0.62    591    14.2   0.13
+    Q6_K        364     9.47    632    13.3   1.74
+    IQ4_NL     5378     0.44    410    20.5   0.08
+    IQ4_XS     5212     0.43    414    20.3   0.08
 """
 from __future__ import annotations
 

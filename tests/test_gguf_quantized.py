@@ -105,20 +105,23 @@ def test_dense_matrices_in_their_blocks_compute_the_releases_products(quantized,
     converter's reorders undone): a DeltaNet output projection whose columns the converter reordered included."""
     model = load_model(quantized[name], preset="cpu", compute_dtype="bfloat16")
     ckpt = GGUFCheckpoint(quantized[name])
-    kept = {f"model.language_model.{n}.weight": m for n, m in model.text.named_modules()
-            if isinstance(m, QuantizedLinear) and m.fmt == "gguf"}
+    kept = {"lm_head.weight" if n == "lm_head" else f"model.language_model.{n}.weight": m
+            for n, m in model.text.named_modules() if isinstance(m, QuantizedLinear) and m.fmt == "gguf"}
     assert len(kept) >= 4 * len(model.text.layers)
+    assert ("lm_head.weight" in kept) == ("lm_head.weight" in ckpt)  # untied: the file's output.weight
     reordered = [n for n, m in kept.items() if m.input_order is not None]
     assert reordered == ([] if name == "vl_moe_f32" else
                          [f"model.language_model.layers.{i}.linear_attn.out_proj.weight"
                           for i, layer in enumerate(model.text.layers) if hasattr(layer, "linear_attn")])
+    assert any(kept[n].rows_kernel is not None for n in reordered) or not reordered  # the kernel reorders too
     g = torch.Generator().manual_seed(0)
     for source, module in kept.items():
-        weight = ckpt.weight(source.replace("model.language_model.lm_head", "lm_head"))
-        x = torch.randn(2, weight.shape[1], generator=g)
-        want = x.double() @ weight.double().T
-        bound = x.abs().double() @ weight.abs().double().T
-        assert ((module(x).double() - want).abs() <= 1e-4 * bound + 1e-6).all(), source
+        weight = ckpt.weight(source)
+        for rows in (1, 2, 9):  # the kernel's products of few rows, and the fallback's of more
+            x = torch.randn(rows, weight.shape[1], generator=g)
+            want = x.double() @ weight.double().T
+            bound = x.abs().double() @ weight.abs().double().T
+            assert ((module(x).double() - want).abs() <= 1e-4 * bound + 1e-6).all(), source
 
 
 def test_other_formats_are_made_from_the_dequantized_blocks(quantized, one_thread):

@@ -63,13 +63,14 @@ class QuantizedLinear(nn.Module):
                 self.matrix.set(0, weight[first:first + QUANTISE_ROWS].float(), first)
         self.register_buffer("input_order", weight.input_order if isinstance(weight, ReleasedMatrix) else None)
         self.fmt = self.matrix.fmt
-        self.rows_kernel = None  # step_kernels.DenseKernel: products of few rows, when the numba kernels load
+        # products of few rows, when the numba kernels load: step_kernels.DenseKernel, gguf_blocks.BlocksRows
+        self.rows_kernel = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows_kernel is not None and self.rows_kernel.takes(x):  # a GGUF one reorders the inputs itself
+            return self.rows_kernel(x)
         if self.input_order is not None:
             x = x.index_select(-1, self.input_order)
-        if self.rows_kernel is not None and self.rows_kernel.takes(x):
-            return self.rows_kernel(x)
         rows = self.matrix.matmul(0, x.reshape(-1, x.shape[-1]))
         return rows.to(x.dtype).reshape(*x.shape[:-1], rows.shape[-1])
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.gguf_blocks import blocks_product, computes_step, dequantize_blocks, routed_step
+from ..kernels.gguf_blocks import BlocksRows, blocks_product, computes_step, dequantize_blocks, routed_step
 from ..release.gguf_file import BlockType
 
 Parts = tuple[tuple[BlockType, int], ...]  # (block type, rows) of a matrix's parts, top to bottom
@@ -58,6 +58,13 @@ class GgufBlocks:
         rows = x.reshape(-1, x.shape[-1]).float().contiguous()
         out = torch.cat([blocks_product(t.type_id, blocks, rows) for t, blocks in self._blocks(q, e)], dim=-1)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+    def rows_kernel(self, q: torch.Tensor, input_order: torch.Tensor | None) -> BlocksRows | None:
+        """The few-row products' kernel of a stack of one matrix of one type (a dense matrix), or None."""
+        if len(self.parts) != 1 or self.shape[0] != 1:
+            return None
+        (block_type, rows), = self.parts
+        return BlocksRows.of(block_type.type_id, q.numpy().reshape(rows, -1), input_order)
 
     def step_types(self, down: GgufBlocks) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """The type ids and bytes per row of the gate rows, the up rows (this stack's halves) and down's rows."""

@@ -10,13 +10,14 @@ The numba kernels (gguf_numba.py) are used when numba imports, compiles them and
 unless the environment sets A3B_NO_NUMBA=1 (the rule of formats/kernel_stores.py); otherwise gguf-py dequantizes and
 torch multiplies. A product of a few activation rows (kernel_rows) reads each block once and dots its codes with the
 activations; more rows dequantize the matrix and make one torch product. Q4_K, Q6_K and Q8_0 (gguf_numba.CODED_TYPES,
-what Q4_K_M and Q8_0 files hold) are multiplied in integers, and a decoding step's routed experts of these types are
-computed in one call (routed_step).
+what Q4_K_M and Q8_0 files hold) are multiplied in integers (in gguf_vector.py's vector code where the CPU has AVX2
+and F16C), and a decoding step's routed experts of these types are computed in one call (routed_step).
 
 bench/gguf_blocks.py, a 2048 x 2048 matrix and one activation row on 2 threads of an AMD EPYC (AVX2), against
-torch's bf16 matrix-vector product of the same matrix (0.39 ms, 21 GB/s): Q4_K 0.38 ms (6.3 GB/s of blocks), Q6_K
-0.44 ms (7.9 GB/s), Q8_0 1.2 ms (3.9 GB/s); the other types, decoded to fp32 and multiplied in fp32, 2.2-4.2 ms
-(0.4-1.3 GB/s). dequantize_rows makes the fp32 matrix in 1.2-2.4 ms (Q4_K, Q6_K, Q8_0) to 4 ms (the others).
+torch's bf16 matrix-vector product of the same matrix (0.40-0.42 ms, 20-21 GB/s): Q4_K 0.20 ms (11.7 GB/s of
+blocks), Q6_K 0.36 ms (9.5 GB/s), Q8_0 0.21 ms (21 GB/s), the activations' coding and the call included; the other
+types, decoded to fp32 and multiplied in fp32, 3.6-6.8 ms (0.3-0.9 GB/s). dequantize_rows makes the fp32 matrix in
+1.2-2.4 ms (Q4_K, Q6_K, Q8_0) to 4 ms (the others).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
+from .arrays import plain_cpu
 from .gguf_types import BLOCK_TYPES, Q2_K, Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K
 from .numba_threads import LOCK, checked_module, numba_allowed, set_threads
 
@@ -35,6 +37,7 @@ FEW_ROWS = 16
 # products of at most this many activation rows are computed from the blocks by the kernels, more rows by
 # dequantizing the matrix and one torch product: where the two took the same time (2048 x 2048, 2 threads, AVX2 EPYC)
 KERNEL_ROWS = {Q4_K: 6, Q6_K: 6}  # the other types: 1
+IN_ORDER = np.zeros(0, np.int64)  # gguf_numba.coded_product's `order` for inputs as given
 
 
 def kernel_rows(type_id: int) -> int:
@@ -164,10 +167,37 @@ def numba_product(gguf_numba: ModuleType, type_id: int, blocks: np.ndarray, x: n
     """out = x @ W.T by the kernels: in integers for gguf_numba.CODED_TYPES (x coded as int16 per 32 inputs, each
     input off by at most 1/65534 of its group's largest |x|), else in fp32."""
     if type_id in gguf_numba.CODED_TYPES:
-        extra, codes = gguf_numba.coded_groups(x, x.shape[1] // 32)
-        gguf_numba.coded_product_rows(type_id, blocks, codes, extra, out)
+        gguf_numba.coded_product(type_id, blocks, x, IN_ORDER, out)
     else:
         gguf_numba.product_rows(type_id, blocks, x, out)
+
+
+class BlocksRows:
+    """A matrix of one block type's products of a few rows in one kernel call each (a QuantizedLinear's rows_kernel,
+    formats/dense.py), its blocks read where they are held: the activations are reordered (`order`: the inputs'
+    order the matrix's columns were stored in, or None) and coded in the call, so the product costs one torch
+    conversion besides it."""
+
+    def __init__(self, compiled: ModuleType, type_id: int, blocks: np.ndarray, order: torch.Tensor | None):
+        self.compiled, self.type_id, self.blocks = compiled, type_id, blocks
+        self.order = IN_ORDER if order is None else order.numpy().astype(np.int64)
+
+    @classmethod
+    def of(cls, type_id: int, blocks: np.ndarray, order: torch.Tensor | None) -> BlocksRows | None:
+        """The kernel of a matrix whose type the kernels multiply in integers, where they are used; else None."""
+        compiled = kernels()
+        return cls(compiled, type_id, blocks, order) if compiled and type_id in compiled.CODED_TYPES else None
+
+    def takes(self, x: torch.Tensor) -> bool:
+        return x.numel() <= kernel_rows(self.type_id) * x.shape[-1] and plain_cpu(x)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.detach().reshape(-1, x.shape[-1]).float().contiguous().numpy()
+        out = np.empty((rows.shape[0], self.blocks.shape[0]), np.float32)
+        with LOCK:
+            set_threads()
+            self.compiled.coded_product(self.type_id, self.blocks, rows, self.order, out)
+        return torch.from_numpy(out).to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
 def computes_step(types: tuple[int, int, int], rows: int) -> bool:

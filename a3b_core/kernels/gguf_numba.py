@@ -397,12 +397,26 @@ def planar(extra):
     return np.ascontiguousarray(extra.reshape(extra.shape[0], extra.shape[1] // 3, 3).transpose(0, 2, 1))
 
 
+@njit(cache=True)
+def in_order(x, order):
+    """A copy of the rows of x [T, cols] with their columns in `order` (as they are where order is empty)."""
+    if order.shape[0] == 0:
+        return x.copy()
+    out = np.empty_like(x)
+    for t in range(x.shape[0]):
+        for j in range(x.shape[1]):
+            out[t, j] = x[t, order[j]]
+    return out
+
+
 @njit(cache=True, fastmath=FAST, parallel=True)
-def coded_product_rows(type_id, blocks, codes, extra, out):
-    """out[t, r] = dot(row r of blocks' weights, x[t]) for a CODED_TYPES matrix (blocks uint8 [rows, row_bytes]) and
-    the activations coded by cpu_numba.coded_groups(x, cols / 32) (codes int16 [T, cols], extra [T, 3 * cols / 32])."""
-    rows, count = blocks.shape[0], codes.shape[0]
+def coded_product(type_id, blocks, x, order, out):
+    """out[t, r] = dot(row r of blocks' weights, x[t] with its inputs in `order`, as in_order) for a CODED_TYPES
+    matrix (blocks uint8 [rows, row_bytes]) and activation rows x (fp32 [T, cols]), coded here by
+    cpu_numba.coded_groups(x, cols / 32): each input off by at most 1/65534 of its group's largest |x|."""
+    extra, codes = coded_groups(in_order(x, order), x.shape[1] // 32)
     extra = planar(extra)
+    rows, count = blocks.shape[0], codes.shape[0]
     for item in prange((rows + ROW_BLOCK - 1) // ROW_BLOCK):
         for r in range(item * ROW_BLOCK, min(rows, (item + 1) * ROW_BLOCK)):
             for t in range(count):
@@ -447,4 +461,4 @@ def coded_routed_step(types, row_bytes, inter, gate_up, down, codes, extra, ids,
 
 
 # the coded kernels compile gguf_vector.py's vector code and cpu_numba.py's coded_groups in: stamped with their text
-key_cache_on((coded_product_rows, coded_routed_step), gguf_vector.__file__, cpu_numba.__file__)
+key_cache_on((coded_product, coded_routed_step), gguf_vector.__file__, cpu_numba.__file__)

@@ -98,7 +98,7 @@ def keep_released_linears(module: nn.Module, ckpt: Checkpoint, prefix: str, fmt:
     (with block scales) an Fp8Linear; GGUF blocks, for the matrices formats/dense.py quantizes, a QuantizedLinear
     (the mapped pages are then dropped: the blocks are copied)."""
     for name, child in list(module.named_modules()):
-        source = f"{prefix}{name}.weight"
+        source = "lm_head.weight" if name == "lm_head" else f"{prefix}{name}.weight"  # the releases' names
         if not (isinstance(child, nn.Linear) and child.bias is None and source in ckpt):
             continue
         check_shape(ckpt, source, tuple(child.weight.shape))
