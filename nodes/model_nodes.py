@@ -66,7 +66,8 @@ class A3BModelLoader(io.ComfyNode):
                 io.Combo.Input("dense_format", options=list(DENSE_FORMATS), default="auto", optional=True,
                                tooltip="How the dense matrices (attention and DeltaNet projections, shared experts, "
                                        "lm_head) are held when the CPU computes them (preset 'cpu' or device 'cpu'). "
-                                       "'auto': the compute dtype (bf16), exact. int8 holds them in about half the "
+                                       "'auto': the compute dtype (bf16), exact; for a quantized GGUF, "
+                                       "the file's own blocks (Q4_K, Q8_0, ...) as stored. int8 holds them in about half the "
                                        "memory of bf16 (about 1.8 GB less for the 35B), int4 in about a quarter "
                                        "(about 2.6 GB less), at a small (int8) or clear (int4) accuracy cost; routers "
                                        "and embeddings stay bf16. Measured on a 2-core CPU with numba (int8 / int4 "

@@ -1,6 +1,7 @@
 """Decoding work other than the routed experts computed by numba kernels, attached at load to the modules that call
 them: a dense matrix's product with a few rows (a quantized matrix's products of more rows take its kernel-dequantized
-weights) and RMSNorms of a decoding step's bf16 rows (row_kernels.py), a Gated DeltaNet layer's token step, a Qwen3.5
+weights; a GGUF file's Q4_K, Q6_K and Q8_0 matrices kept in their blocks take kernels/gguf_blocks.py's BlocksRows) and
+RMSNorms of a decoding step's bf16 rows (row_kernels.py), a Gated DeltaNet layer's token step, a Qwen3.5
 MoE block's whole token step and a Qwen3.5 MoE decoder layer's whole token step (layer_steps.py, calling
 models/qwen3_5/cpu_steps.py).
 
