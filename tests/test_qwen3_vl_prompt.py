@@ -114,6 +114,19 @@ def test_the_variant_is_read_from_the_folders_chat_template(tmp_path):
         assert always_thinks(tmp_path / name) is expected
 
 
+def test_a_gguf_files_variant_is_read_from_the_template_it_carries(tmp_path):
+    """A GGUF file carries its chat template in its metadata (tokenizer.chat_template): that decides, whatever the
+    file is named; without one, the name does."""
+    thinking = (DATA / "qwen3_vl_thinking_chat_template.jinja").read_text(encoding="utf-8")
+    instruct = (DATA / "qwen3_vl_instruct_chat_template.jinja").read_text(encoding="utf-8")
+    for name, carried, expected in (("model-Q4_K_M.gguf", thinking, True),
+                                    ("Qwen3-VL-30B-A3B-Thinking-Q4_K_M.gguf", instruct, False),
+                                    ("Qwen3-VL-30B-A3B-Thinking-Q4_K_M.gguf", None, True),
+                                    ("model-Q4_K_M.gguf", None, False)):
+        (tmp_path / name).write_bytes(b"GGUF")
+        assert always_thinks(tmp_path / name, carried) is expected, name
+
+
 @pytest.fixture(scope="module")
 def thinking_folder(tmp_path_factory):
     """The tiny MoE checkpoint as a Thinking release: the same weights with the Thinking chat template."""

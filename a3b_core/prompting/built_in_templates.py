@@ -40,21 +40,23 @@ def qwen3_vl_prompt(tokenizer: Tokenizer, user: str, *, thinking: bool = False, 
     return render(QWEN3_VL_THINKING if thinking else QWEN3_VL_INSTRUCT, tokenizer, user, thinking=thinking, **options)
 
 
-def thinks_as_asked(folder: Path) -> None:
+def thinks_as_asked(folder: Path, carried: str | None = None) -> None:
     """Qwen3.5/3.6 think or not as each prompt asks."""
     return None
 
 
-def qwen3_vl_always_thinks(folder: Path) -> bool:
+def qwen3_vl_always_thinks(folder: Path, carried: str | None = None) -> bool:
     """Whether the folder holds a Qwen3-VL Thinking model: its chat template opens a think block (the Instruct
-    template never mentions one). Without a readable template, the folder's name decides (the releases end in
-    -Thinking or -Instruct)."""
+    template never mentions one). The template is the folder's files' or, where it has none, the one the model file
+    carries (`carried`: a GGUF's tokenizer.chat_template). Without a readable template, the folder's or file's name
+    decides (the releases end in -Thinking or -Instruct)."""
     try:
         found = template_source(folder)
     except ChatTemplateError:
         found = None  # an unreadable template says nothing about the variant (the loader reports it if it uses it)
-    if found is not None:
-        return "<think>" in found[0]
+    source = found[0] if found is not None else carried
+    if source is not None:
+        return "<think>" in source
     return "thinking" in folder.name.lower()
 
 
@@ -62,8 +64,9 @@ def qwen3_vl_always_thinks(folder: Path) -> bool:
 class BuiltInTemplate:
     """A family's built-in chat template and the thinking mode that goes with it."""
     build_prompt: Callable[..., Prompt]  # (tokenizer, user, *, system, image_token_counts, thinking, history, ...)
-    # a model folder -> whether its model always thinks (True), never does (False), or as each prompt asks (None)
-    fixed_thinking: Callable[[Path], bool | None]
+    # a model folder (and the template its model file carries, if any) -> whether its model always thinks (True),
+    # never does (False), or as each prompt asks (None)
+    fixed_thinking: Callable[[Path, str | None], bool | None]
     default_thinking: bool  # whether the template thinks when a prompt does not say (for models that think as asked)
 
 

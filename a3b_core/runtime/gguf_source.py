@@ -30,7 +30,8 @@ class GGUFSource:
     checkpoint: GGUFCheckpoint | GGUFWithVision
     raw_config: dict
     tokenizer: Tokenizer
-    chat_template: FolderTemplate | None  # the file's tokenizer.chat_template, when it has one
+    chat_template: FolderTemplate | None  # the file's tokenizer.chat_template compiled, when it has one and it is used
+    template_text: str | None  # the file's tokenizer.chat_template
     mmproj: Path | None  # the vision projector in use
 
 
@@ -66,15 +67,16 @@ def with_vision(path: Path, text: GGUFCheckpoint, raw_config: dict,
 
 
 def open_gguf(path: Path, with_template: bool, mmproj: str | Path = "auto") -> GGUFSource:
-    """Reads the file's header and metadata (no tensor data), and the mmproj's; the chat template only
+    """Reads the file's header and metadata (no tensor data), and the mmproj's; the chat template is compiled only
     `with_template`."""
     text = GGUFCheckpoint(path)
     raw_config = config_from_gguf(text.reader, str(path), text.stored_shapes)
     tokenizer = tokenizer_from_gguf(text.reader, str(path))
-    source = metadata(text.reader, TEMPLATE_KEY) if with_template else None
-    template = FolderTemplate(source, path, f"GGUF {TEMPLATE_KEY}") if isinstance(source, str) else None
+    source = metadata(text.reader, TEMPLATE_KEY)
+    source = source if isinstance(source, str) else None
+    template = FolderTemplate(source, path, f"GGUF {TEMPLATE_KEY}") if with_template and source is not None else None
     checkpoint, found = with_vision(path, text, raw_config, mmproj)
-    return GGUFSource(checkpoint, raw_config, tokenizer, template, found)
+    return GGUFSource(checkpoint, raw_config, tokenizer, template, source, found)
 
 
 def model_headers(path: Path, mmproj: str | Path = "auto") -> tuple[ModelConfig, GGUFCheckpoint | GGUFWithVision |

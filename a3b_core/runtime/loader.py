@@ -83,11 +83,13 @@ class A3BModel(ForwardPass):
 
     def __init__(self, folder: Path, config: ModelConfig, text: torch.nn.Module, vision: torch.nn.Module | None,
                  tokenizer: Tokenizer | None, plan: Plan, device: torch.device, dtype: torch.dtype,
-                 load_stats: LoadStats, chat_template: FolderTemplate | None = None):
+                 load_stats: LoadStats, chat_template: FolderTemplate | None = None,
+                 carried_template: str | None = None):
         super().__init__(folder, config, text, plan, device, dtype)
         self.built_in_template = BUILT_IN_TEMPLATES[self.family.name]
-        # a model that always (never) thinks: True (False); None: as each prompt asks
-        self.fixed_thinking = self.built_in_template.fixed_thinking(folder)
+        # a model that always (never) thinks: True (False); None: as each prompt asks (carried_template: the
+        # chat template a GGUF file carries, which tells its variant whichever template prompts use)
+        self.fixed_thinking = self.built_in_template.fixed_thinking(folder, carried_template)
         self.vision = vision
         self.tokenizer = tokenizer
         self.load_stats = load_stats
@@ -360,9 +362,10 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     try:
         with torch.device("meta"):
             text = family.text_model(config.text)
+        released_dense = plan.dense_format if format_named(plan.dense_format).as_released else None
         text_prefix = family.load_text(text, config.text, ckpt, dtype, progress, expert_placement,
                                        {fmt: expert_cache_dir(experts_from, fmt) for fmt in CONVERTED_FORMATS},
-                                       released_dense=plan.dense_format if format_named(plan.dense_format).as_released else None)
+                                       released_dense=released_dense)
         vision, vision_prefix = None, ""
         if plan.vision_device != "none":
             with torch.device("meta"):
@@ -378,6 +381,6 @@ def load_model(path: str | Path | None = DEMO_MODEL_NAME, preset: str = "auto", 
     cpu_swaps.prepare_cpu(text, vision, release_under(text_prefix), release_under(vision_prefix), plan.dense_format)
     stats = LoadStats(seconds=time.perf_counter() - started, tensors=len(ckpt.infos))
     model = A3BModel(folder, config, text, vision, tokenizer, plan, where(plan.dense_device), dtype, stats,
-                     folder_template)
+                     folder_template, gguf.template_text if gguf else None)
     model.set_loras(loras)
     return model
