@@ -150,8 +150,9 @@ def add_placement_arguments(parser: argparse.ArgumentParser) -> None:
                         help="format of the routed experts kept in RAM")
     parser.add_argument("--dense-format", default="auto", choices=DENSE_FORMATS,
                         help="format of the dense matrices (attention, DeltaNet, shared experts, lm_head) when the "
-                             "CPU computes them: auto keeps the compute dtype (a quantized GGUF's blocks as stored); int8 / int4 hold them weight-only "
-                             "quantized (~0.5x / ~0.28x of bf16, at some accuracy cost)")
+                             "CPU computes them: auto keeps the compute dtype (a quantized GGUF's blocks as "
+                             "stored); int8 / int4 hold them weight-only quantized (~0.5x / ~0.28x of bf16, at "
+                             "some accuracy cost)")
     parser.add_argument("--kv-cache", default="auto", choices=KV_FORMATS)
     parser.add_argument("--max-context", type=int, default=None, help="tokens (default: the preset's)")
 

@@ -57,11 +57,13 @@ class QuantizedLinear(nn.Module):
             stored = (tuple((kind, part.shape[0]) for kind, part in weight.parts),)
             self.matrix = QuantizedStack(fmt, (1, *weight.shape), stored=stored)
             self.matrix.set_released(0, *weight.parts)
+            input_order = weight.input_order
         else:
             self.matrix = QuantizedStack(fmt, (1, *weight.shape))
             for first in range(0, weight.shape[0], QUANTISE_ROWS):
                 self.matrix.set(0, weight[first:first + QUANTISE_ROWS].float(), first)
-        self.register_buffer("input_order", weight.input_order if isinstance(weight, ReleasedMatrix) else None)
+            input_order = None
+        self.register_buffer("input_order", input_order)
         self.fmt = self.matrix.fmt
         # products of few rows, when the numba kernels load: step_kernels.DenseKernel, gguf_blocks.BlocksRows
         self.rows_kernel = None

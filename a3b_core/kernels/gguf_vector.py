@@ -10,7 +10,8 @@ A block's weight codes are made in vectors from its bytes:
   the next 32; one factor per 32 (the group's minimum is not in the codes: the caller adds it).
 - Q6_K (210 bytes, 256 weights): each weight's low 4 bits from a nibble of `ql`, its high 2 bits from 2 bits of `qh`,
   less 32; one factor per 16.
-`factors` holds each group's factor in input order: the weights' scale times the activations' coding step.
+A group's factor is the weights' scale times the activations' coding step, made in vectors from the block's scale
+bytes (group_factors); Q4_K's minimums and the codes' rounding corrections go to lanes of their own.
 """
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def block_codes(builder: ir.IRBuilder, type_id: int, load) -> list[ir.Value]:
         out = []
         for c in range(4):
             run = load(16 + 32 * c)
-            out += [builder.zext(builder.and_(run, splat(15)), i16x32), builder.zext(builder.lshr(run, splat(4)), i16x32)]
+            out += [builder.zext(builder.and_(run, splat(15)), i16x32),
+                    builder.zext(builder.lshr(run, splat(4)), i16x32)]
         return out
     out = []
     for h in range(2):
@@ -72,7 +74,8 @@ def group_factors(builder: ir.IRBuilder, type_id: int, load, d: ir.Value, dmin: 
                                       ir.Constant(vector, None), ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
 
     def lane(vector: ir.Value, k: int) -> ir.Value:  # lane k of vector in all 8 lanes
-        return builder.shuffle_vector(vector, ir.Constant(vector.type, None), ir.Constant(ir.VectorType(i32, 8), [k] * 8))
+        return builder.shuffle_vector(vector, ir.Constant(vector.type, None),
+                                      ir.Constant(ir.VectorType(i32, 8), [k] * 8))
 
     def run(pointer: ir.Value) -> ir.Value:  # 8 floats from pointer
         return builder.load(builder.bitcast(pointer, floats.as_pointer()), align=4)
@@ -139,7 +142,8 @@ def coded_row_codegen(type_id: int):
         per_block = BLOCK_INPUTS[type_id] // GROUP_INPUTS[type_id]
 
         def sixteen(vector: ir.Value, k: int) -> ir.Value:  # words 16k .. 16k + 15 of a <32 x i16>
-            return builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(i32, 16), list(range(16 * k, 16 * k + 16))))
+            return builder.shuffle_vector(vector, vector,
+                                          ir.Constant(ir.VectorType(i32, 16), list(range(16 * k, 16 * k + 16))))
 
         with cgutils.for_range(builder, blocks) as loop:
             b = loop.index
@@ -151,6 +155,7 @@ def coded_row_codegen(type_id: int):
 
             first_code = builder.gep(codes, [builder.mul(b, intp(BLOCK_INPUTS[type_id]))])
             first_group = builder.mul(b, intp(BLOCK_INPUTS[type_id] // 32))
+
             def half(offset: int) -> ir.Value:  # the fp16 at offset as float (vcvtph2ps: exact)
                 pointer = builder.bitcast(builder.gep(at, [intp(offset)]), ir.HalfType().as_pointer())
                 return builder.fpext(builder.load(pointer, align=1), f32)

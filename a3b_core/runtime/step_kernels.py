@@ -45,7 +45,7 @@ from torch import nn
 from ..formats.dense import QuantizedLinear
 from ..formats.kernel_stores import KERNEL_FORMATS, compiled_kernels, kernels_enabled
 from ..kernels.arrays import plain_cpu
-from ..formats.table import BF16, GGUF, INT4, INT8
+from ..formats.table import BF16, INT4, INT8
 from ..kernels.cpu_linear import CpuLinear, FusedLinear
 from .layer_steps import (AttentionLayerKernel, DeltaNetKernel, DeltaNetLayerKernel, LayerStepKernel,
                           MoeStepKernel)
@@ -124,7 +124,7 @@ def attach_step_kernels(text: nn.Module) -> None:
         elif isinstance(module, QuantizedLinear) and plain_cpu(*module.buffers()):
             if module.fmt in KERNEL_FORMATS:
                 module.rows_kernel = DenseKernel(module.fmt, module.matrix, kernels)
-            elif module.fmt == GGUF:
+            elif hasattr(module.matrix.layout, "rows_kernel"):  # a layout with kernels of its own (GGUF blocks)
                 module.rows_kernel = module.matrix.layout.rows_kernel(module.matrix.q, module.input_order)
         elif hasattr(module, "norm_kernel") and bf16 and plain_cpu(module.weight.data):
             module.norm_kernel = NormKernel(module, kernels)
