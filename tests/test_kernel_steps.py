@@ -17,6 +17,7 @@ from a3b_core import load_model
 from a3b_core.formats.dense import QuantizedLinear
 from a3b_core.formats.kernel_stores import compiled_kernels, kernels_enabled
 from a3b_core.formats.int4 import TorchInt4Stack
+from a3b_core.kernels.arrays import BlockExperts, BlockMatrix
 from a3b_core.kernels.cpu_linear import CpuLinear, FusedLinear, linear
 from a3b_core.models.layers import RMSNorm, rotary_cos_sin
 from a3b_core.models.qwen3_5.cache import Cache
@@ -154,43 +155,79 @@ def test_norm_kernel_rounds_torchs_norm(offset, one_thread):
     assert not kernel.takes(torch.randn(2, 1, 96)) and not kernel.takes(torch.randn(1, 3, 96).bfloat16())
 
 
+def coded_choice(name: str, shape: tuple[int, ...]) -> str | None:
+    """A GGUF quantization of the types the kernels multiply in integers, as a Q4_K_M mixes them: Q4_K where rows
+    hold whole 256-weight blocks, else Q8_0; Q6_K for the output projections; routers, norms and small vectors kept."""
+    if len(shape) < 2 or name.endswith(("norm.weight", "ssm_conv1d.weight", "ffn_gate_inp.weight", "token_embd.weight",
+                                        "ssm_alpha.weight", "ssm_beta.weight", "ffn_gate_inp_shexp.weight")):
+        return None
+    if shape[-1] % 256:
+        return "Q8_0"
+    return "Q6_K" if name.endswith(("attn_output.weight", "ssm_out.weight")) else "Q4_K"
+
+
+@pytest.fixture(scope="module")
+def coded_gguf(ggufs, tmp_path_factory) -> Path:
+    """The converter's F32 Qwen3.5 MoE GGUF in Q4_K, Q6_K and Q8_0 blocks (coded_choice)."""
+    from tests.quantized_gguf import requantize
+    path = tmp_path_factory.mktemp("coded") / "moe_coded.gguf"
+    requantize(ggufs.moe_f32, path, coded_choice)
+    return path
+
+
+def checkpoint(request: pytest.FixtureRequest, which: str) -> Path:
+    """A fixture checkpoint by name: a GGUF file's fixture (coded_gguf) or a folder of tests/tiny_models.py."""
+    return request.getfixturevalue(which) if which.endswith("gguf") else getattr(request.getfixturevalue("fixtures"),
+                                                                                 which)
+
+
 # (checkpoint, routed experts' format, dense_format): bf16, int8, int4 and FP8 experts; a fused bf16 projection
-# (bf16 shared expert) and dense int8 / int4 shared experts
+# (bf16 shared expert) and dense int8 / int4 shared experts; a GGUF file's blocks, dense matrices too
 MOE_STEP_CASES = [("moe_fused_bf16", "bf16", "auto"), ("moe_fused_bf16", "int8", "int8"),
-                  ("moe_fused_bf16", "int4", "int4"), ("moe_fp8", "fp8", "int8")]
+                  ("moe_fused_bf16", "int4", "int4"), ("moe_fp8", "fp8", "int8"), ("coded_gguf", "gguf", "auto")]
 
 
 @pytest.mark.parametrize("which, weight_format, dense_format", MOE_STEP_CASES)
-def test_moe_step_equals_the_blocks_kernel_path(fixtures, which, weight_format, dense_format, monkeypatch,
+def test_moe_step_equals_the_blocks_kernel_path(request, which, weight_format, dense_format, monkeypatch,
                                                 one_thread):
     """Each MoE block's one-call step of two decoding rows equals the block's own path with the dense and routed
     kernels (what it replaces) within one bf16 rounding (measured: equal; the step's exp is not torch's)."""
     monkeypatch.delenv("A3B_NO_NUMBA", raising=False)
-    model = load_model(getattr(fixtures, which), preset="cpu", compute_dtype="bfloat16", weight_format=weight_format,
-                       dense_format=dense_format)
+    model = load_model(checkpoint(request, which), preset="cpu", compute_dtype="bfloat16",
+                       weight_format=weight_format, dense_format=dense_format)
     blocks = [m for m in model.text.modules() if isinstance(m, SparseMoE)]
     assert blocks and all(isinstance(b.step_kernel, MoeStepKernel) for b in blocks)
+    if weight_format == "gguf":  # the experts and the shared expert's matrices in their blocks
+        assert all(isinstance(b.step_kernel.weights.experts, BlockExperts)
+                   and isinstance(b.step_kernel.weights.down, BlockMatrix) for b in blocks)
     x = torch.randn(2, 1, model.text.cfg.hidden_size, generator=torch.Generator().manual_seed(0)).bfloat16()
     with torch.no_grad():
         for block in blocks:
-            got = block(x)
+            got, one = block(x), block(x[:1])
             kernel, block.step_kernel = block.step_kernel, None
-            want = block(x)
+            want, want_one = block(x), block(x[:1])
             block.step_kernel = kernel
             assert got.dtype == torch.bfloat16 and got.shape == x.shape
-            assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -8).all()
+            if weight_format != "gguf":
+                assert ((got.float() - want.float()).abs() <= want.float().abs() * 2 ** -8).all()
+                continue
+            # the block's own path multiplies two rows by a Q8_0 matrix in fp32 from the dequantized weights
+            # (gguf_blocks.KERNEL_ROWS), the step with int16 codes of the rows, so an intermediate may round to the
+            # other bf16 neighbour (measured: at most 2.9e-3 of the largest |value|); one row: the same kernels
+            assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -7
+            assert torch.equal(one, want_one)
 
 
 @pytest.mark.parametrize("which, weight_format, dense_format", MOE_STEP_CASES)
-def test_layer_steps_equal_the_layers_kernel_path(fixtures, which, weight_format, dense_format, monkeypatch,
+def test_layer_steps_equal_the_layers_kernel_path(request, which, weight_format, dense_format, monkeypatch,
                                                   one_thread):
     """Each decoder layer's one-call step of two decoding rows returns what the layer's own path with the separate
     kernels returns (within the effect of one bf16 rounding: products torch computes there, attention among them, are
     summed in the kernels' order), and leaves the same cache: DeltaNet conv history and state, attention keys and
     values."""
     monkeypatch.delenv("A3B_NO_NUMBA", raising=False)
-    model = load_model(getattr(fixtures, which), preset="cpu", compute_dtype="bfloat16", weight_format=weight_format,
-                       dense_format=dense_format)
+    model = load_model(checkpoint(request, which), preset="cpu", compute_dtype="bfloat16",
+                       weight_format=weight_format, dense_format=dense_format)
     cfg = model.text.cfg
     kinds = [type(layer.step_kernel) for layer in model.text.layers]
     assert kinds == [AttentionLayerKernel if kind == "full_attention" else DeltaNetLayerKernel
@@ -217,9 +254,12 @@ def test_layer_steps_equal_the_layers_kernel_path(fixtures, which, weight_format
             # measured: DeltaNet layers equal; attention layers 27 of 256 values one bf16 rounding apart, at most
             # 2.2e-3 of the largest |value|
             assert (got.float() - want.float()).abs().max() <= want.float().abs().max() * 2 ** -7
+    # a GGUF file's Q8_0 projections of two rows: one bf16 rounding apart where the layer's path computes them from the
+    # dequantized weights (see test_moe_step_equals_the_blocks_kernel_path; measured: at most 2^-8 on values of 1-3)
+    rtol, atol = (2 ** -7, 2 ** -9) if weight_format == "gguf" else (1e-5, 1e-6)
     for name in ("conv", "state", "keys", "values"):
         for layer, t in getattr(caches[0], name).items():
-            assert torch.allclose(t.float(), getattr(caches[1], name)[layer].float(), rtol=1e-5, atol=1e-6)
+            assert torch.allclose(t.float(), getattr(caches[1], name)[layer].float(), rtol=rtol, atol=atol)
     attention = [layer.step_kernel for layer in model.text.layers if hasattr(layer, "self_attn")]
     assert all(kernel.takes(x, caches[0], None) for kernel in attention)
     monkeypatch.setattr(layer_steps, "LAYER_ATTENTION_MAX", cached * attention[0].token_work)  # one token short

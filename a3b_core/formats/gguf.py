@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kernels.gguf_blocks import BlocksRows, blocks_product, computes_step, dequantize_blocks, routed_step
-from ..release.gguf_file import BlockType
+from ..kernels.arrays import BlockExperts
+from ..kernels.gguf_blocks import BlocksRows, blocks_product, coded, computes_step, dequantize_blocks, routed_step
+from ..release.gguf_file import BLOCK_TYPES, BlockType
 
 Parts = tuple[tuple[BlockType, int], ...]  # (block type, rows) of a matrix's parts, top to bottom
 
@@ -59,12 +60,14 @@ class GgufBlocks:
         out = torch.cat([blocks_product(t.type_id, blocks, rows) for t, blocks in self._blocks(q, e)], dim=-1)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
-    def rows_kernel(self, q: torch.Tensor, input_order: torch.Tensor | None) -> BlocksRows | None:
-        """The few-row products' kernel of a stack of one matrix of one type (a dense matrix), or None."""
+    def rows_kernel(self, q: torch.Tensor, input_order: torch.Tensor | None,
+                    side: tuple[np.ndarray, ...] = ()) -> BlocksRows | None:
+        """The few-row products' kernel of a stack of one matrix of one type (a dense matrix), or None; `side`: the
+        LoRA side path the fused steps add (BlocksRows)."""
         if len(self.parts) != 1 or self.shape[0] != 1:
             return None
         (block_type, rows), = self.parts
-        return BlocksRows.of(block_type.type_id, q.numpy().reshape(rows, -1), input_order)
+        return BlocksRows.of(block_type.type_id, q.numpy().reshape(rows, -1), input_order, side)
 
     def step_types(self, down: GgufBlocks) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """The type ids and bytes per row of the gate rows, the up rows (this stack's halves) and down's rows."""
@@ -73,6 +76,15 @@ class GgufBlocks:
         return (tuple(t.type_id for t in (*halves, down_type)),
                 (halves[0].row_bytes(self.shape[2]), halves[1].row_bytes(self.shape[2]),
                  down_type.row_bytes(down.shape[2])))
+
+    def step_experts(self, q: torch.Tensor, down: GgufBlocks, down_q: torch.Tensor) -> BlockExperts | None:
+        """The experts of this gate_up stack and `down` as the fused decoding steps read them, where their types are
+        coded (gguf_blocks.coded); else None."""
+        types, row_bytes = self.step_types(down)
+        if not coded(types):
+            return None
+        return BlockExperts(np.array(types, np.int64), np.array(row_bytes, np.int64), q.numpy(), down_q.numpy(),
+                            self.shape[1] // 2)
 
     def takes_step(self, down: GgufBlocks, rows: int) -> bool:
         """Whether routed_step computes `rows` decoding rows with `down` as the down stack."""
@@ -88,3 +100,11 @@ class GgufBlocks:
     @staticmethod
     def stored_bytes(numel: int, stored: BlockType) -> int:
         return stored.stored_bytes(numel)
+
+
+def q8_0_blocks(w: torch.Tensor) -> tuple[BlockType, torch.Tensor]:
+    """A float matrix [rows, cols] in Q8_0 blocks as llama.cpp quantizes it (gguf-py), as set_released and
+    ReleasedMatrix take a part: made-up weights for checks of the kernels."""
+    from gguf import GGMLQuantizationType, quants
+    blocks = quants.quantize(w.detach().float().numpy(), GGMLQuantizationType.Q8_0)
+    return BLOCK_TYPES["Q8_0"], torch.from_numpy(np.ascontiguousarray(blocks))

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.cpu_linear import many_rows_product, many_rows_weight_dtype
-from ..kernels.arrays import plain_cpu
+from ..kernels.arrays import Matrix, RoutedExperts, plain_cpu
 from ..kernels.numba_threads import LOCK, checked_module, numba_allowed, set_threads
 from .stores import CpuFloatExperts, QuantizedExperts
 from .table import BF16, FORMATS, INT4, INT8
@@ -163,6 +163,11 @@ class KernelExperts(nn.Module):
     def takes(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> bool:
         """Whether `routed_step` can compute these rows (plain CPU tensors); the caller uses gate_up/down if not."""
         return plain_cpu(x, top_i, top_p)
+
+    def step_experts(self) -> RoutedExperts:
+        """The experts as the fused decoding steps read them."""
+        code = self.fmt.kernel_code
+        return RoutedExperts(Matrix(code, *self.gate_up_proj.arrays), Matrix(code, *self.down_proj.arrays), self.inter)
 
     def routed_step(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for the rows of x [N, H] (top_i, top_p [N, k])."""

@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..errors import PlacementError
-from ..kernels.arrays import plain_cpu
+from ..kernels.arrays import BlockExperts, plain_cpu
 from ..kernels.cpu_linear import linear
 from .table import format_named
 
@@ -116,6 +116,14 @@ class QuantizedExperts(nn.Module):
         """The routed experts' weighted sum for the rows of x [N, H] (top_i, top_p [N, k]), in one step."""
         return self.gate_up_proj.layout.routed_step(self.gate_up_proj.q, self.down_proj.layout, self.down_proj.q, x,
                                                     top_i, top_p)
+
+    def step_experts(self) -> BlockExperts | None:
+        """The experts as the fused decoding steps read them, where the layout offers that (GGUF blocks of coded
+        types) and they are plain CPU tensors; else None."""
+        layout = getattr(self.gate_up_proj, "layout", None)
+        if not hasattr(layout, "step_experts") or not plain_cpu(self.gate_up_proj.q, self.down_proj.q):
+            return None
+        return layout.step_experts(self.gate_up_proj.q, self.down_proj.layout, self.down_proj.q)
 
 
 ExpertMatrix = Callable[[str, int], torch.Tensor]  # (which, expert) -> fp32 [out, in]; which: gate_up_proj / down_proj

@@ -1,5 +1,6 @@
 """What the numba kernels read, without numba: the code by which a kernel knows a stack's weight layout (the layouts
-are described in cpu_numba.py's docstring) and a matrix's bundle of that code and its arrays."""
+are described in cpu_numba.py's docstring), a matrix's bundle of that code and its arrays, a GGUF matrix's bundle of
+its blocks (gguf_numba.py), and a layer's routed experts as a decoding step reads them in either layout."""
 from __future__ import annotations
 
 from typing import NamedTuple
@@ -21,6 +22,36 @@ class Matrix(NamedTuple):
     scale: np.ndarray
     side_a: np.ndarray = NO_SIDE_PATH
     side_b: np.ndarray = NO_SIDE_PATH
+
+
+class BlockMatrix(NamedTuple):
+    """A dense matrix in a GGUF file's blocks as the fused steps read it: its block type (one of
+    gguf_numba.CODED_TYPES), its blocks uint8 [out, row_bytes], the order its product reads its inputs in (int64 [in];
+    empty: as given) and a LoRA side path as Matrix's."""
+    type_id: int
+    q: np.ndarray
+    order: np.ndarray
+    side_a: np.ndarray = NO_SIDE_PATH
+    side_b: np.ndarray = NO_SIDE_PATH
+
+
+class RoutedExperts(NamedTuple):
+    """A layer's routed experts as cpu_numba.routed_step reads them: each expert's fused gate and up rows, then its
+    down rows (one format), and the intermediate size."""
+    gate_up: Matrix
+    down: Matrix
+    inter: int
+
+
+class BlockExperts(NamedTuple):
+    """A layer's routed experts in a GGUF file's blocks as gguf_numba.coded_routed_step reads them: the gate rows', up
+    rows' and down rows' block types and bytes per row (int64 [3] each), the blocks of each expert's gate and up rows
+    (uint8 [E, bytes]) and of its down rows, and the intermediate size."""
+    types: np.ndarray
+    row_bytes: np.ndarray
+    gate_up: np.ndarray
+    down: np.ndarray
+    inter: int
 
 
 def plain_cpu(*tensors: torch.Tensor) -> bool:

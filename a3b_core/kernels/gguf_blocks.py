@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError
-from .arrays import plain_cpu
+from .arrays import BlockMatrix, plain_cpu
 from .gguf_types import BLOCK_TYPES, Q2_K, Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K
 from .numba_threads import LOCK, checked_module, numba_allowed, set_threads
 
@@ -176,17 +176,25 @@ class BlocksRows:
     """A matrix of one block type's products of a few rows in one kernel call each (a QuantizedLinear's rows_kernel,
     formats/dense.py), its blocks read where they are held: the activations are reordered (`order`: the inputs'
     order the matrix's columns were stored in, or None) and coded in the call, so the product costs one torch
-    conversion besides it."""
+    conversion besides it. `matrix` is the same matrix as the fused decoding steps read it, with the LoRA side path
+    `side` (arrays.Matrix's side_a, side_b; this kernel's own products are the module's, whose side path its owner
+    adds)."""
+    fmt = "gguf"  # the weight format (formats/table.py) whose matrices it computes
 
-    def __init__(self, compiled: ModuleType, type_id: int, blocks: np.ndarray, order: torch.Tensor | None):
-        self.compiled, self.type_id, self.blocks = compiled, type_id, blocks
+    def __init__(self, compiled: ModuleType, type_id: int, blocks: np.ndarray, order: torch.Tensor | None,
+                 side: tuple[np.ndarray, ...] = ()):
+        self.compiled, self.type_id, self.blocks, self.side = compiled, type_id, blocks, side
         self.order = IN_ORDER if order is None else order.numpy().astype(np.int64)
 
     @classmethod
-    def of(cls, type_id: int, blocks: np.ndarray, order: torch.Tensor | None) -> BlocksRows | None:
+    def of(cls, type_id: int, blocks: np.ndarray, order: torch.Tensor | None,
+           side: tuple[np.ndarray, ...] = ()) -> BlocksRows | None:
         """The kernel of a matrix whose type the kernels multiply in integers, where they are used; else None."""
-        compiled = kernels()
-        return cls(compiled, type_id, blocks, order) if compiled and type_id in compiled.CODED_TYPES else None
+        return cls(kernels(), type_id, blocks, order, side) if coded((type_id,)) else None
+
+    @property
+    def matrix(self) -> BlockMatrix:
+        return BlockMatrix(self.type_id, self.blocks, self.order, *self.side)
 
     def takes(self, x: torch.Tensor) -> bool:
         return x.numel() <= kernel_rows(self.type_id) * x.shape[-1] and plain_cpu(x)
@@ -200,11 +208,16 @@ class BlocksRows:
         return torch.from_numpy(out).to(x.dtype).reshape(*x.shape[:-1], -1)
 
 
-def computes_step(types: tuple[int, int, int], rows: int) -> bool:
-    """Whether routed_step computes `rows` decoding rows of experts whose gate, up and down rows are of `types`: the
-    kernels are used, the types are gguf_numba.CODED_TYPES, and there are at most FEW_ROWS rows."""
+def coded(types: tuple[int, ...]) -> bool:
+    """Whether the kernels are used and multiply each of `types` in integers (gguf_numba.CODED_TYPES)."""
     compiled = kernels()
-    return compiled is not None and rows <= FEW_ROWS and all(t in compiled.CODED_TYPES for t in types)
+    return compiled is not None and all(t in compiled.CODED_TYPES for t in types)
+
+
+def computes_step(types: tuple[int, int, int], rows: int) -> bool:
+    """Whether routed_step computes `rows` decoding rows of experts whose gate, up and down rows are of `types`: they
+    are coded and there are at most FEW_ROWS rows."""
+    return rows <= FEW_ROWS and coded(types)
 
 
 def routed_step(types: tuple[int, int, int], row_bytes: tuple[int, int, int], inter: int, gate_up: np.ndarray,
@@ -216,8 +229,7 @@ def routed_step(types: tuple[int, int, int], row_bytes: tuple[int, int, int], in
     out = np.empty(tuple(x.shape), np.float32)
     with LOCK:
         set_threads()
-        extra, codes = compiled.coded_groups(x.detach().float().contiguous().numpy(), x.shape[1] // 32)
         compiled.coded_routed_step(np.array(types, np.int64), np.array(row_bytes, np.int64), inter, gate_up, down,
-                                   codes, extra, ids.contiguous().numpy(), weights.detach().float().contiguous().numpy(),
-                                   out)
+                                   x.detach().float().contiguous().numpy(), ids.contiguous().numpy(),
+                                   weights.detach().float().contiguous().numpy(), out)
     return torch.from_numpy(out).to(x.dtype)

@@ -424,19 +424,20 @@ def coded_product(type_id, blocks, x, order, out):
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)
-def coded_routed_step(types, row_bytes, inter, gate_up, down, codes, extra, ids, weights, out):
+def coded_routed_step(types, row_bytes, inter, gate_up, down, x, ids, weights, out):
     """A decoding step's routed experts in one call, their matrices in CODED_TYPES blocks:
     out[t] = sum over slots j of weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = ids[t, j].
 
     types and row_bytes (int64 [3]): the gate rows', up rows' and down rows' block type and bytes per row; gate_up
     uint8 [E, bytes] (each expert's `inter` gate rows, then its `inter` up rows), down uint8 [E, bytes] (H rows);
-    x coded by cpu_numba.coded_groups(x, H / 32) as codes [T, H] and extra; ids [T, k] int64; weights [T, k] fp32;
-    out [T, H] fp32. Each token's result does not depend on the other tokens of the call."""
+    x [T, H] fp32, coded here as coded_product's; ids [T, k] int64; weights [T, k] fp32; out [T, H] fp32. Each
+    token's result does not depend on the other tokens of the call."""
     tokens, top_k = ids.shape
     hidden = out.shape[1]
     slots = tokens * top_k
     gate_bytes = inter * row_bytes[0]
     act = np.empty((slots, inter), np.float32)
+    extra, codes = coded_groups(x, hidden // 32)
     extra = planar(extra)
     blocks = (inter + ROW_BLOCK - 1) // ROW_BLOCK
     for item in prange(slots * blocks):  # a work item: a block of one slot's gate and up rows, then SiLU(gate) * up

@@ -16,14 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..formats.dense import QuantizedLinear
+from ..formats.dense import QuantizedLinear, ReleasedMatrix
+from ..formats.gguf import q8_0_blocks
 from ..formats.kernel_stores import KernelExperts, compiled_kernels
-from ..kernels.arrays import plain_cpu
-from ..kernels.numba_threads import LOCK, set_threads
 from ..formats.kernel_stores import matrix as expert_matrix
 from ..formats.stores import CpuFloatExperts, QuantizedExperts
-from ..formats.table import BF16
-from ..kernels.arrays import Matrix
+from ..formats.table import BF16, GGUF
+from ..kernels.arrays import BlockExperts, RoutedExperts, plain_cpu
+from ..kernels.gguf_blocks import BlocksRows
+from ..kernels.numba_threads import LOCK, set_threads
 from ..models.kv_cache import KVCache
 from .row_kernels import (DenseKernel, NormKernel, bf16_arrays, bf16_tensor, dense_kernel, input_matrices,
                           with_side_path)
@@ -74,30 +75,30 @@ class MoeStepKernel:
     """A Qwen3.5 sparse MoE block's decoding step (router, routing, routed and shared experts, their sum) in one
     numba call (cpu_steps.sparse_moe_step), for the block that calls it: about 25 torch calls and three kernel calls
     become one. The router and the mixing weight are bf16; the shared expert's three matrices share one format (bf16,
-    or dense_format's int8 / int4); the matrices are read where they are held (no copies). The result is the block's
-    with the dense and routed kernels, intermediates rounded to bf16 as there."""
+    dense_format's int8 / int4, or a GGUF file's blocks); the routed experts are a kernel store's (KernelExperts) or
+    a GGUF file's blocks (QuantizedExperts.step_experts); the matrices are read where they are held (no copies). The
+    result is the block's with the dense and routed kernels, intermediates rounded to bf16 as there."""
 
-    def __init__(self, parts: dict[str, DenseKernel], experts: KernelExperts, top_k: int, kernels: ModuleType):
+    def __init__(self, parts: dict[str, DenseKernel | BlocksRows], experts: RoutedExperts | BlockExperts, top_k: int,
+                 kernels: ModuleType):
         router, gate, up, mix, down = (parts[name].matrix for name in MOE_PARTS)
         self.kernels, self.steps = kernels, qwen3_5_steps()
-        code = experts.fmt.kernel_code
-        routed = self.steps.RoutedExperts(Matrix(code, *experts.gate_up_proj.arrays),
-                                          Matrix(code, *experts.down_proj.arrays), experts.inter)
-        self.weights = self.steps.MoeWeights(router, mix, gate, up, down, routed, top_k)
+        self.weights = self.steps.MoeWeights(router, mix, gate, up, down, experts, top_k)
 
     @classmethod
     def of(cls, moe: nn.Module, kernels: ModuleType) -> MoeStepKernel | None:
         """The kernel of a SparseMoE whose matrices and experts the kernels read, or None."""
         matrices = [*input_matrices(moe), with_side_path(moe.shared_expert.down_proj)]
         parts = [dense_kernel(m, kernels, side) for m, side in matrices]
-        if not isinstance(moe.experts, KernelExperts) or any(p is None for p in parts):
+        experts = moe.experts.step_experts() if hasattr(moe.experts, "step_experts") else None
+        if experts is None or any(p is None for p in parts):
             return None
         router, gate, up, mix, down = parts
         if router.fmt != BF16 or mix.fmt != BF16 or not gate.fmt == up.fmt == down.fmt:
             return None
         if not checked_moe_step(gate.fmt, moe.experts.fmt):
             return None
-        return cls(dict(zip(MOE_PARTS, parts)), moe.experts, moe.cfg.num_experts_per_tok, kernels)
+        return cls(dict(zip(MOE_PARTS, parts)), experts, moe.cfg.num_experts_per_tok, kernels)
 
     @staticmethod
     def takes(x: torch.Tensor) -> bool:
@@ -330,19 +331,28 @@ def check_moe_step(kernels: ModuleType, shared: str, routed: str) -> None:
     for name, shape in (("shared_expert.gate_proj", (inter, hidden)), ("shared_expert.up_proj", (inter, hidden)),
                         ("shared_expert.down_proj", (hidden, inter))):
         w = torch.randn(*shape, generator=g) * shape[1] ** -0.5
-        matrices[name] = w.bfloat16() if shared == BF16 else QuantizedLinear(shared, w)
+        matrices[name] = w.bfloat16() if shared == BF16 else QuantizedLinear(shared, ReleasedMatrix(
+            shape, (q8_0_blocks(w),), None) if shared == GGUF else w)
     parts = {name: dense_kernel(m, kernels) for name, m in {"gate": router, "shared_expert_gate": mix,
                                                           **matrices}.items()}
     gate_up = torch.randn(experts, 2 * inter, hidden, generator=g) * hidden ** -0.5
     down = torch.randn(experts, hidden, inter, generator=g) * inter ** -0.5
     if routed == BF16:
         store = CpuFloatExperts(nn.Parameter(gate_up.bfloat16()), nn.Parameter(down.bfloat16()))
+    elif routed == GGUF:  # a file's Q8_0 blocks
+        stored = {name: (((q8_0_blocks(t[0])[0], t.shape[1]),),) for name, t in (("gate_up_proj", gate_up),
+                                                                                 ("down_proj", down))}
+        store = QuantizedExperts(routed, experts, hidden, inter, stored=stored)
+        for e in range(experts):
+            store.gate_up_proj.set_released(e, q8_0_blocks(gate_up[e]))
+            store.down_proj.set_released(e, q8_0_blocks(down[e]))
     else:
         store = QuantizedExperts(routed, experts, hidden, inter)
         for e in range(experts):
             store.gate_up_proj.set(e, gate_up[e])
             store.down_proj.set(e, down[e])
-    got = MoeStepKernel(parts, KernelExperts(store, kernels), 2, kernels)(x).double()
+    step_experts = store.step_experts() if routed == GGUF else KernelExperts(store, kernels).step_experts()
+    got = MoeStepKernel(parts, step_experts, 2, kernels)(x).double()
 
     def exact(m: nn.Module | torch.Tensor) -> torch.Tensor:
         return (m.matrix.dequantize(0) if isinstance(m, QuantizedLinear) else m).double()

@@ -18,6 +18,7 @@ from ..formats.lora import LowRank, side_paths
 from ..formats.table import BF16, format_named
 from ..kernels.arrays import Matrix
 from ..kernels.cpu_linear import GEMV_MAX_ROWS, CpuLinear, FusedLinear
+from ..kernels.gguf_blocks import BlocksRows
 
 
 class DenseKernel:
@@ -34,7 +35,7 @@ class DenseKernel:
         self.shape = tuple(stack.shape[1:])  # (out, in)
         # a LoRA side path, for the fused steps only: this kernel's own products are the module's, whose side path
         # its owner adds (runtime/adapters.py)
-        self.side = () if side is None else tuple(t.detach().float().contiguous().numpy() for t in (side.a, side.b))
+        self.side = side_arrays(side)
 
     @property
     def matrix(self) -> Matrix:
@@ -113,13 +114,23 @@ def bf16_tensor(bits: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return bits.view(torch.bfloat16).view(shape)
 
 
+def side_arrays(side: LowRank | None) -> tuple[np.ndarray, ...]:
+    """A LoRA side path's matrices as the fused steps read them (kernels.arrays.Matrix's side_a, side_b), or ()."""
+    return () if side is None else tuple(t.detach().float().contiguous().numpy() for t in (side.a, side.b))
+
+
 def dense_kernel(matrix: nn.Module | torch.Tensor, kernels: ModuleType, side: LowRank | None = None
-                 ) -> DenseKernel | None:
-    """A DenseKernel of a bf16 weight or bias-free CpuLinear, or of a QuantizedLinear in a kernel format (with the
-    LoRA side path `side`); None where the kernels cannot read it."""
+                 ) -> DenseKernel | BlocksRows | None:
+    """The few-row kernel of a bf16 weight or bias-free CpuLinear, or of a QuantizedLinear in a kernel format or in
+    a GGUF file's blocks of a type its kernels multiply (BlocksRows), with the LoRA side path `side` for the fused
+    steps; None where the kernels cannot read it."""
     if isinstance(matrix, QuantizedLinear):
-        ok = matrix.fmt in KERNEL_FORMATS and plain_cpu(*matrix.buffers())
-        return DenseKernel(matrix.fmt, matrix.matrix, kernels, side) if ok else None
+        if not plain_cpu(*matrix.buffers()):
+            return None
+        if matrix.fmt in KERNEL_FORMATS:
+            return DenseKernel(matrix.fmt, matrix.matrix, kernels, side)
+        own = getattr(matrix.matrix.layout, "rows_kernel", None)  # a layout with kernels of its own (GGUF blocks)
+        return None if own is None else own(matrix.matrix.q, matrix.input_order, side_arrays(side))
     if isinstance(matrix, CpuLinear) and matrix.bias is None:
         matrix = matrix.weight.data
     ok = isinstance(matrix, torch.Tensor) and matrix.dtype == torch.bfloat16 and plain_cpu(matrix) \

@@ -43,13 +43,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..formats.dense import QuantizedLinear
-from ..formats.kernel_stores import KERNEL_FORMATS, compiled_kernels, kernels_enabled
+from ..formats.kernel_stores import compiled_kernels, kernels_enabled
 from ..kernels.arrays import plain_cpu
 from ..formats.table import BF16, INT4, INT8
 from ..kernels.cpu_linear import CpuLinear, FusedLinear
 from .layer_steps import (AttentionLayerKernel, DeltaNetKernel, DeltaNetLayerKernel, LayerStepKernel,
                           MoeStepKernel)
-from .row_kernels import DenseKernel, NormKernel
+from .row_kernels import DenseKernel, NormKernel, dense_kernel
 
 BF16_KERNEL_MIN_ROWS = 1024
 
@@ -121,11 +121,8 @@ def attach_step_kernels(text: nn.Module) -> None:
             if weight.dtype == torch.bfloat16 and plain_cpu(weight) and weight.is_contiguous() \
                     and weight.shape[0] >= BF16_KERNEL_MIN_ROWS:
                 module.rows_kernel = DenseKernel(BF16, weight[None], kernels)
-        elif isinstance(module, QuantizedLinear) and plain_cpu(*module.buffers()):
-            if module.fmt in KERNEL_FORMATS:
-                module.rows_kernel = DenseKernel(module.fmt, module.matrix, kernels)
-            elif hasattr(module.matrix.layout, "rows_kernel"):  # a layout with kernels of its own (GGUF blocks)
-                module.rows_kernel = module.matrix.layout.rows_kernel(module.matrix.q, module.input_order)
+        elif isinstance(module, QuantizedLinear):
+            module.rows_kernel = dense_kernel(module, kernels)
         elif hasattr(module, "norm_kernel") and bf16 and plain_cpu(module.weight.data):
             module.norm_kernel = NormKernel(module, kernels)
         elif hasattr(module, "step_kernel") and hasattr(module, "experts"):  # a MoE block

@@ -1,23 +1,28 @@
-"""Qwen3.5's decoding steps as numba kernels, made of the generic kernels of kernels/cpu_numba.py: a Gated DeltaNet
-layer's step after its input projections, a sparse MoE block's step, and a MoE decoder layer's whole step (Gated
-DeltaNet or gated full attention) in one compiled call. runtime/step_kernels.py attaches them to the model's modules.
+"""Qwen3.5's decoding steps as numba kernels, made of the generic kernels of kernels/cpu_numba.py and
+kernels/gguf_numba.py: a Gated DeltaNet layer's step after its input projections, a sparse MoE block's step, and a
+MoE decoder layer's whole step (Gated DeltaNet or gated full attention) in one compiled call. runtime/step_kernels.py
+attaches them to the model's modules.
 
 Imported only once the generic kernels compile (it imports numba). Weights come in named bundles (NamedTuples, which
 numba reads in nopython mode), built once when the kernels are attached: a matrix is a kernels.arrays.Matrix (its
-format code and the arrays the kernels read); each intermediate is rounded to bf16 where torch's bf16 path rounds it.
+format code and the arrays the kernels read) or a BlockMatrix (a GGUF file's blocks), the routed experts a
+RoutedExperts or a BlockExperts; the kernel each bundle's product takes is chosen at compile time by its type
+(matrix_product, routed_sum). Each intermediate is rounded to bf16 where torch's bf16 path rounds it.
 numba's on-disk cache of these kernels holds the generic kernels they call compiled in, while numba itself notices
-changes to this file only: numba_threads.key_cache_on adds a hash of kernels/cpu_numba.py to their cache's stamp,
-so a changed generic kernel (an update of the pack) compiles them again.
+changes to this file only: numba_threads.key_cache_on adds a hash of the generic kernels' files to their cache's
+stamp, so a changed generic kernel (an update of the pack) compiles them again.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
-from ...kernels import cpu_numba
-from ...kernels.arrays import Matrix
+from ...kernels import cpu_numba, gguf_numba, gguf_vector
+from ...kernels.arrays import BlockExperts, BlockMatrix, Matrix, RoutedExperts
+from ...kernels.gguf_numba import coded_product, coded_routed_step
 from ...kernels.numba_threads import key_cache_on
 from ...kernels.cpu_numba import (FAST, attend_cached, bf16_bits, bf16_half_bits, bf16_product, bf16_rows,
                                   normed_bf16, rms_norm_rows, rotate_half, round_bf16, routed_step)
@@ -33,23 +38,16 @@ class DeltaRule(NamedTuple):
     key_heads: int
 
 
-class RoutedExperts(NamedTuple):
-    """A MoE block's routed experts as routed_step reads them: each expert's fused gate and up rows, then its down
-    rows (one format), and the intermediate size."""
-    gate_up: Matrix
-    down: Matrix
-    inter: int
-
-
 class MoeWeights(NamedTuple):
     """A sparse MoE block: the router, the shared expert's mixing weight (both bf16), the shared expert's gate, up and
-    down (one format), the routed experts and how many of them each row takes."""
+    down (one format), the routed experts (in a kernel format or a GGUF file's blocks) and how many of them each row
+    takes."""
     router: Matrix
     mix: Matrix
-    gate: Matrix
-    up: Matrix
-    down: Matrix
-    experts: RoutedExperts
+    gate: Matrix | BlockMatrix
+    up: Matrix | BlockMatrix
+    down: Matrix | BlockMatrix
+    experts: RoutedExperts | BlockExperts
     top_k: int
 
 
@@ -64,21 +62,21 @@ class LayerNorms(NamedTuple):
 class DeltaNetWeights(NamedTuple):
     """A Gated DeltaNet token mixer: its input projections (qkv and z in one format, b and a bf16), its output
     projection (qkv's format) and its delta rule."""
-    qkv: Matrix
-    z: Matrix
+    qkv: Matrix | BlockMatrix
+    z: Matrix | BlockMatrix
     b: Matrix
     a: Matrix
-    out: Matrix
+    out: Matrix | BlockMatrix
     rule: DeltaRule
 
 
 class AttentionWeights(NamedTuple):
     """A gated full-attention token mixer: its q (each head's queries, then its gate channels), k, v and o projections
     (one format), the per-head norms' scales (weight plus offset) and the query heads."""
-    q: Matrix
-    k: Matrix
-    v: Matrix
-    o: Matrix
+    q: Matrix | BlockMatrix
+    k: Matrix | BlockMatrix
+    v: Matrix | BlockMatrix
+    o: Matrix | BlockMatrix
     q_norm: np.ndarray
     k_norm: np.ndarray
     heads: int
@@ -149,11 +147,57 @@ def gated_delta_step(qkv, z, beta_in, a_in, rule, history, state, out):
 
 @njit(cache=True)
 def product(matrix, x):
-    """bf16_product of rows x with a Matrix, plus its LoRA side path if it has one."""
-    out = bf16_product(matrix.code, matrix.q, matrix.scale, x)
+    """The rows x [T, in] (fp32 holding bf16 values) times a Matrix or BlockMatrix (matrix_product), plus its LoRA
+    side path if it has one, rounded to bf16."""
+    out = matrix_product(matrix, x)
     if matrix.side_a.shape[0]:
         add_side_path(matrix.side_a, matrix.side_b, x, out)
     return out
+
+
+def matrix_product(matrix, x):
+    """x times the matrix, rounded to bf16, in the kernel of the matrix's kind: compiled code only (overloaded below,
+    by the bundle's type, whose arrays differ)."""
+    raise NotImplementedError("matrix_product is called from compiled kernels only")
+
+
+@overload(matrix_product)
+def matrix_product_of(matrix, x):
+    if is_bundle(matrix, BlockMatrix):
+        def blocks_product(matrix, x):
+            out = np.empty((x.shape[0], matrix.q.shape[0]), np.float32)
+            coded_product(matrix.type_id, matrix.q, x, matrix.order, out)
+            round_bf16(out.reshape(-1))
+            return out
+        return blocks_product
+    return lambda matrix, x: bf16_product(matrix.code, matrix.q, matrix.scale, x)
+
+
+def routed_sum(experts, x, ids, weights, out):
+    """out += the routed experts' weighted sum for rows x (ids, weights [T, k]), by the kernel of the experts' kind:
+    compiled code only (overloaded below)."""
+    raise NotImplementedError("routed_sum is called from compiled kernels only")
+
+
+@overload(routed_sum)
+def routed_sum_of(experts, x, ids, weights, out):
+    if is_bundle(experts, BlockExperts):
+        def blocks_sum(experts, x, ids, weights, out):
+            routed = np.empty(out.shape, np.float32)
+            coded_routed_step(experts.types, experts.row_bytes, experts.inter, experts.gate_up, experts.down, x, ids,
+                              weights, routed)
+            out += routed
+        return blocks_sum
+
+    def kernel_sum(experts, x, ids, weights, out):
+        gate_up, down = experts.gate_up, experts.down
+        routed_step(gate_up.code, experts.inter, gate_up.q, gate_up.scale, down.q, down.scale, x, ids, weights, out)
+    return kernel_sum
+
+
+def is_bundle(value: object, bundle: type) -> bool:
+    """Whether a numba type is that of the NamedTuple class `bundle`."""
+    return isinstance(value, types.BaseNamedTuple) and value.instance_class is bundle
 
 
 @njit(cache=True, fastmath=FAST)
@@ -218,8 +262,7 @@ def moe_step(moe, x):
             weights[t, j] /= total
     round_bf16(weights.reshape(-1))
     routed = np.zeros(x.shape, np.float32)
-    gate_up, down = moe.experts.gate_up, moe.experts.down
-    routed_step(gate_up.code, moe.experts.inter, gate_up.q, gate_up.scale, down.q, down.scale, x, ids, weights, routed)
+    routed_sum(moe.experts, x, ids, weights, routed)
     round_bf16(routed.reshape(-1))
     # the shared expert: SiLU(gate) rounded, times up rounded, down; times the sigmoid of its mixing weight (each
     # step in place, rounded where torch rounds it)
@@ -313,6 +356,6 @@ def attention_layer_step(norms, mixer, moe, cos, sin, keys, values, start, x_bit
     residual_moe(x, product(mixer.o, mixed), norms, moe, out)
 
 
-# the kernels here compile cpu_numba.py's generic kernels in: stamped with its text too
+# the kernels here compile the generic kernels in: stamped with their files' text too
 key_cache_on((gated_delta_step, product, sparse_moe_step, moe_step, residual_moe, deltanet_layer_step,
-              attention_layer_step), cpu_numba.__file__)
+              attention_layer_step), cpu_numba.__file__, gguf_numba.__file__, gguf_vector.__file__)
