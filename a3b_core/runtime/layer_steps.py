@@ -26,6 +26,7 @@ from ..kernels.arrays import BlockExperts, RoutedExperts, plain_cpu
 from ..kernels.gguf_blocks import BlocksRows
 from ..kernels.numba_threads import LOCK, set_threads
 from ..models.kv_cache import KVCache
+from ..release.gguf_file import BLOCK_TYPES
 from .row_kernels import (DenseKernel, NormKernel, bf16_arrays, bf16_tensor, dense_kernel, input_matrices,
                           with_side_path)
 
@@ -340,8 +341,8 @@ def check_moe_step(kernels: ModuleType, shared: str, routed: str) -> None:
     if routed == BF16:
         store = CpuFloatExperts(nn.Parameter(gate_up.bfloat16()), nn.Parameter(down.bfloat16()))
     elif routed == GGUF:  # a file's Q8_0 blocks
-        stored = {name: (((q8_0_blocks(t[0])[0], t.shape[1]),),) for name, t in (("gate_up_proj", gate_up),
-                                                                                 ("down_proj", down))}
+        q8_0 = BLOCK_TYPES["Q8_0"]
+        stored = {"gate_up_proj": (((q8_0, 2 * inter),),), "down_proj": (((q8_0, hidden),),)}
         store = QuantizedExperts(routed, experts, hidden, inter, stored=stored)
         for e in range(experts):
             store.gate_up_proj.set_released(e, q8_0_blocks(gate_up[e]))
