@@ -10,8 +10,8 @@ from gguf.quants import dequantize, quantize
 
 from a3b_core.errors import CheckpointError
 from a3b_core.kernels import gguf_blocks
-from a3b_core.kernels.gguf_blocks import (blocks_product, computes_step, dequantize_blocks, random_blocks,
-                                          kernel_rows, routed_step, row_bytes)
+from a3b_core.kernels.gguf_blocks import (blocks_product, computes_step, dequantize_blocks, kernel_rows,
+                                          product_bound, random_blocks, routed_step, row_bytes)
 from a3b_core.kernels.gguf_types import BLOCK_TYPES, Q4_0, Q4_K, Q6_K, Q8_0
 from a3b_core.release.gguf_file import TENSOR_TYPES
 from tests.quantized_gguf import QUANTIZED_BY_GGUF_PY  # the others are random valid blocks
@@ -64,12 +64,8 @@ def test_product_equals_reference(type_id, count, path):
     want = x.double().numpy() @ weights.T
     got = blocks_product(type_id, blocks, x)
     assert got.dtype == torch.float32 and got.shape == (count, 21)
-    # fp32 sums of cols products: tolerance from the sums of magnitudes; the integer kernels code each input as
-    # int16, off by at most 1/65534 of the largest |x| of its group of 32
-    bound = np.abs(x.double().numpy()) @ np.abs(weights).T
-    largest = x.abs().view(count, -1, 32).amax(-1, keepdim=True).expand(-1, -1, 32).reshape(count, cols)
-    coding = largest.double().numpy() @ np.abs(weights).T / 65534
-    assert np.all(np.abs(got.numpy() - want) <= 1e-5 * bound + coding + 1e-30)
+    # fp32 sums of cols products, and the integer kernels' int8 codes of the inputs (product_bound)
+    assert np.all(np.abs(got.numpy() - want) <= product_bound(type_id, x.numpy(), weights) + 1e-30)
 
 
 def test_kernel_row_results_do_not_depend_on_the_batch():
@@ -95,7 +91,6 @@ def test_vector_dots_equal_the_loop_dots(type_id):
 
     @njit
     def both(type_id, blocks, codes, extra):
-        extra = compiled.planar(extra)
         out = np.empty((2, blocks.shape[0]), np.float32)
         for r in range(blocks.shape[0]):
             out[0, r] = compiled.loop_coded_dot(type_id, blocks[r], codes[0], extra[0])
@@ -106,7 +101,7 @@ def test_vector_dots_equal_the_loop_dots(type_id):
     scale_at = {Q4_K: 0, Q6_K: 208, Q8_0: 0}[type_id]
     blocks[::3, scale_at:scale_at + 2] = [3, 0]  # d = 3 * 2^-24, a subnormal fp16, in every third row's first block
     x = np.random.default_rng(8).standard_normal((1, cols), dtype=np.float32)
-    extra, codes = compiled.coded_groups(x, cols // 32)
+    extra, codes = compiled.coded_bytes(x, compiled.code_span(type_id))
     loop, vector = both(type_id, blocks, codes, extra)
     weights = dequantize(blocks, GGMLQuantizationType(type_id))
     bound = np.abs(x) @ np.abs(weights).T
@@ -155,5 +150,7 @@ def test_routed_step_equals_the_experts_one_by_one(types):
             h = gate_up_w[e] @ x[t].double().numpy()
             act = h[:inter] / (1 + np.exp(-h[:inter])) * h[inter:]
             want[t] += p * (down_w[e] @ act)
+    # the inputs and the SiLU products coded as int8 (product_bound), as llama.cpp codes them: measured 1.0-1.3% of
+    # the largest |output| on these random matrices
     scale = np.abs(want).max()
-    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=2e-4 * scale)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=2.5e-2 * scale)

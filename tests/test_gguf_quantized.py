@@ -12,6 +12,7 @@ from a3b_core import load_model
 from a3b_core.errors import A3BError, CheckpointError
 from a3b_core.formats.dense import QuantizedLinear
 from a3b_core.formats.stores import QuantizedExperts
+from a3b_core.kernels.gguf_blocks import product_bound
 from a3b_core.release.gguf import GGUFCheckpoint
 from tests.tiny_gguf import build_gguf_fixtures
 from tests.tiny_models import TEXT_PROMPT
@@ -64,8 +65,9 @@ def logits(path: Path, weight_format: str, compute_dtype: str = "float32") -> tu
 def test_experts_in_their_blocks_give_the_dequantized_files_logits(quantized, name, one_thread):
     blocks, model = logits(quantized[name], "gguf")
     dequantized, _ = logits(quantized[name], "fp32")  # every weight dequantized at load by gguf-py
-    # Q4_K, Q6_K and Q8_0 products code the activations as int16 (each off by 1/65534 of its group's largest |x|)
-    torch.testing.assert_close(blocks, dequantized, rtol=0, atol=1e-3)
+    # Q4_K, Q6_K and Q8_0 products code the activations as int8, as llama.cpp does (gguf_blocks.product_bound): the
+    # mixed file's logits measured 0.6% relative RMS from the dequantized ones, the others under 0.05%
+    assert ((blocks - dequantized).norm() / dequantized.norm()).item() < 1.5e-2
     ckpt = GGUFCheckpoint(quantized[name])
     for index, layer in enumerate(model.text.layers):
         experts = layer.mlp.experts
@@ -120,8 +122,10 @@ def test_dense_matrices_in_their_blocks_compute_the_releases_products(quantized,
         for rows in (1, 2, 9):  # the kernel's products of few rows, and the fallback's of more
             x = torch.randn(rows, weight.shape[1], generator=g)
             want = x.double() @ weight.double().T
-            bound = x.abs().double() @ weight.abs().double().T
-            assert ((module(x).double() - want).abs() <= 1e-4 * bound + 1e-6).all(), source
+            order = slice(None) if module.input_order is None else module.input_order  # the kernel codes x so
+            bound = product_bound(module.matrix.layout.parts[0][0].type_id, x[:, order].numpy(),
+                                  weight[:, order].numpy())
+            assert ((module(x).double() - want).abs().numpy() <= bound + 1e-6).all(), source
 
 
 def test_other_formats_are_made_from_the_dequantized_blocks(quantized, one_thread):
@@ -174,8 +178,9 @@ def test_a_type_not_read_is_refused_naming_tensor_and_type(tmp_path):
 
 
 def test_decoding_computes_each_layers_experts_in_one_step(quantized, one_thread):
-    """All-Q8_0 experts decode through the one-call routed step (QuantizedExperts.routed_step) and give the greedy
-    tokens of the same file's experts dequantized to fp32."""
+    """All-Q8_0 experts decode through the one-call routed step (QuantizedExperts.routed_step), which equals the
+    experts one by one, and choose the greedy tokens of the same file's experts dequantized to fp32, within the int8
+    coding's rounding."""
     blocks = load_model(quantized["converter_q8_0"], preset="cpu", compute_dtype="float32", weight_format="gguf")
     experts = blocks.text.layers[0].mlp.experts
     x = torch.randn(1, experts.gate_up_proj.shape[2])
@@ -188,5 +193,9 @@ def test_decoding_computes_each_layers_experts_in_one_step(quantized, one_thread
     torch.testing.assert_close(step, one_by_one, rtol=0, atol=1e-4 * one_by_one.abs().max().item())
     exact = load_model(quantized["converter_q8_0"], preset="cpu", compute_dtype="float32", weight_format="fp32")
     prompt = blocks.tokenizer.encode(TEXT_PROMPT)
-    assert blocks.generate(prompt, max_new_tokens=8, temperature=0).token_ids == \
-        exact.generate(prompt, max_new_tokens=8, temperature=0).token_ids
+    tokens = blocks.generate(prompt, max_new_tokens=8, temperature=0).token_ids
+    # each token the greedy choice of the same file's experts dequantized to fp32, or within a rounding of it: the
+    # steps code their activations as int8 (the tiny random model's top logits are often that close)
+    exact_logits = exact.logits(torch.tensor([prompt + tokens]))[0, len(prompt) - 1:-1].float()
+    chosen = exact_logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
+    assert (exact_logits.max(dim=1).values - chosen).max() < 0.1  # measured: one token 0.043 below a top logit of 1.67
