@@ -56,16 +56,19 @@ def test_dequantize_equals_gguf_py(type_id, blocks_a_row, path):
 
 
 @pytest.mark.parametrize("type_id", list(BLOCK_TYPES), ids=[name for name, _, _ in BLOCK_TYPES.values()])
-@pytest.mark.parametrize("count", [1, 3, 40])
-def test_product_equals_reference(type_id, count, path):
+@pytest.mark.parametrize("count", [1, 3, 60])
+@pytest.mark.parametrize("exact", [True, False], ids=["exact", "coded"])
+def test_product_equals_reference(type_id, count, exact, path):
+    """Products of few rows (the kernels') and many (the dequantized matrix's), of an fp32 model's rows (exact) and a
+    bf16 model's (the coded types' int8 codes)."""
     blocks, cols = matrix_blocks(type_id, 21, 3, seed=100 + type_id)  # 21 rows: a partial work item of 16
     weights = dequantize(blocks, GGMLQuantizationType(type_id)).astype(np.float64)
     x = torch.randn(count, cols, generator=torch.Generator().manual_seed(count))
     want = x.double().numpy() @ weights.T
-    got = blocks_product(type_id, blocks, x)
+    got = blocks_product(type_id, blocks, x, exact)
     assert got.dtype == torch.float32 and got.shape == (count, 21)
-    # fp32 sums of cols products, and the integer kernels' int8 codes of the inputs (product_bound)
-    assert np.all(np.abs(got.numpy() - want) <= product_bound(type_id, x.numpy(), weights) + 1e-30)
+    # fp32 sums of cols products, and the coded kernels' int8 codes of the inputs (product_bound)
+    assert np.all(np.abs(got.numpy() - want) <= product_bound(type_id, x.numpy(), weights, exact) + 1e-30)
 
 
 def test_kernel_row_results_do_not_depend_on_the_batch():
@@ -74,9 +77,9 @@ def test_kernel_row_results_do_not_depend_on_the_batch():
     if gguf_blocks.kernels() is None:
         pytest.skip("numba is not installed or its kernels did not compile")
     blocks, cols = matrix_blocks(Q4_K, 40, 2, seed=1)
-    x = torch.randn(kernel_rows(Q4_K), cols, generator=torch.Generator().manual_seed(2))
-    together = blocks_product(Q4_K, blocks, x)
-    alone = torch.cat([blocks_product(Q4_K, blocks, x[t:t + 1]) for t in range(kernel_rows(Q4_K))])
+    x = torch.randn(kernel_rows(Q4_K, False), cols, generator=torch.Generator().manual_seed(2))
+    together = blocks_product(Q4_K, blocks, x, False)
+    alone = torch.cat([blocks_product(Q4_K, blocks, x[t:t + 1], False) for t in range(len(x))])
     assert torch.equal(together, alone)
 
 
@@ -101,7 +104,7 @@ def test_vector_dots_equal_the_loop_dots(type_id):
     scale_at = {Q4_K: 0, Q6_K: 208, Q8_0: 0}[type_id]
     blocks[::3, scale_at:scale_at + 2] = [3, 0]  # d = 3 * 2^-24, a subnormal fp16, in every third row's first block
     x = np.random.default_rng(8).standard_normal((1, cols), dtype=np.float32)
-    extra, codes = compiled.coded_bytes(x, compiled.code_span(type_id))
+    extra, codes = compiled.coded_bytes(x)
     loop, vector = both(type_id, blocks, codes, extra)
     weights = dequantize(blocks, GGMLQuantizationType(type_id))
     bound = np.abs(x) @ np.abs(weights).T
@@ -117,7 +120,7 @@ def test_bad_inputs_name_the_type_and_fix():
     with pytest.raises(CheckpointError, match=r"\[rows, 36\]"):
         dequantize_blocks(Q4_0, blocks[:, :30].copy(), cols)
     with pytest.raises(ValueError, match="float32"):
-        blocks_product(Q4_0, blocks, torch.ones(1, cols, dtype=torch.float64))
+        blocks_product(Q4_0, blocks, torch.ones(1, cols, dtype=torch.float64), True)
 
 
 @pytest.mark.parametrize("types", [(Q4_K, Q4_K, Q6_K), (Q8_0, Q8_0, Q8_0), (Q4_K, Q6_K, Q4_K)],
@@ -125,7 +128,7 @@ def test_bad_inputs_name_the_type_and_fix():
 def test_routed_step_equals_the_experts_one_by_one(types):
     """The one-call decoding step of GGUF experts (Q4_K_M's and Q8_0's types) against each expert's SwiGLU computed
     from gguf-py's dequantized weights, in float64."""
-    if not computes_step(types, 2):
+    if not computes_step(types, torch.zeros(2, 1, dtype=torch.bfloat16)):
         pytest.skip("numba is not installed or its kernels did not compile")
     experts, hidden, inter, generator = 4, 512, 256, np.random.default_rng(5)
 

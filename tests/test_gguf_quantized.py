@@ -67,7 +67,7 @@ def test_experts_in_their_blocks_give_the_dequantized_files_logits(quantized, na
     dequantized, _ = logits(quantized[name], "fp32")  # every weight dequantized at load by gguf-py
     # Q4_K, Q6_K and Q8_0 products code the activations as int8, as llama.cpp does (gguf_blocks.product_bound): the
     # mixed file's logits measured 0.6% relative RMS from the dequantized ones, the others under 0.05%
-    assert ((blocks - dequantized).norm() / dequantized.norm()).item() < 1.5e-2
+    print("RMS", ((blocks - dequantized).norm() / dequantized.norm()).item()); assert ((blocks - dequantized).norm() / dequantized.norm()).item() < 1.5e-2
     ckpt = GGUFCheckpoint(quantized[name])
     for index, layer in enumerate(model.text.layers):
         experts = layer.mlp.experts
@@ -124,7 +124,7 @@ def test_dense_matrices_in_their_blocks_compute_the_releases_products(quantized,
             want = x.double() @ weight.double().T
             order = slice(None) if module.input_order is None else module.input_order  # the kernel codes x so
             bound = product_bound(module.matrix.layout.parts[0][0].type_id, x[:, order].numpy(),
-                                  weight[:, order].numpy())
+                                  weight[:, order].numpy(), exact=False)
             assert ((module(x).double() - want).abs().numpy() <= bound + 1e-6).all(), source
 
 
@@ -177,25 +177,30 @@ def test_a_type_not_read_is_refused_naming_tensor_and_type(tmp_path):
     assert np.frombuffer(bytes(data[:4]), np.uint8).tobytes() == b"GGUF"
 
 
-def test_decoding_computes_each_layers_experts_in_one_step(quantized, one_thread):
-    """All-Q8_0 experts decode through the one-call routed step (QuantizedExperts.routed_step), which equals the
-    experts one by one, and choose the greedy tokens of the same file's experts dequantized to fp32, within the int8
-    coding's rounding."""
-    blocks = load_model(quantized["converter_q8_0"], preset="cpu", compute_dtype="float32", weight_format="gguf")
+def test_decoding_computes_each_layers_experts_in_one_step(quantized, monkeypatch, one_thread):
+    """A bf16 model's all-Q8_0 experts decode through the one-call routed step (QuantizedExperts.routed_step), which
+    equals the experts one by one (both code their rows as int8), and the decoded sequence's logits are as near the
+    same file's dequantized to fp32 as bf16 without the kernels is; an fp32 model's experts keep their exact
+    products."""
+    blocks = load_model(quantized["converter_q8_0"], preset="cpu", compute_dtype="bfloat16", weight_format="gguf")
     experts = blocks.text.layers[0].mlp.experts
-    x = torch.randn(1, experts.gate_up_proj.shape[2])
+    x = torch.randn(1, experts.gate_up_proj.shape[2]).bfloat16()
     top_i, top_p = torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]])
     if not experts.takes(x, top_i, top_p):
         pytest.skip("numba is not installed or its kernels did not compile")
-    step = experts.routed_step(x, top_i, top_p)
+    assert not experts.takes(x.float(), top_i, top_p)  # fp32 rows: the exact products
+    step = experts.routed_step(x, top_i, top_p).float()
     one_by_one = sum(p * experts.down(e, torch.nn.functional.silu(h[:, :h.shape[1] // 2]) * h[:, h.shape[1] // 2:])
-                     for e, p, h in ((e, 0.5, experts.gate_up(e, x)) for e in (0, 1)))
-    torch.testing.assert_close(step, one_by_one, rtol=0, atol=1e-4 * one_by_one.abs().max().item())
-    exact = load_model(quantized["converter_q8_0"], preset="cpu", compute_dtype="float32", weight_format="fp32")
+                     for e, p, h in ((e, 0.5, experts.gate_up(e, x).float()) for e in (0, 1)))
+    # one by one rounds the intermediates to bf16, the step keeps them in fp32
+    torch.testing.assert_close(step, one_by_one.float(), rtol=0, atol=2e-2 * one_by_one.abs().max().item())
     prompt = blocks.tokenizer.encode(TEXT_PROMPT)
-    tokens = blocks.generate(prompt, max_new_tokens=8, temperature=0).token_ids
-    # each token the greedy choice of the same file's experts dequantized to fp32, or within a rounding of it: the
-    # steps code their activations as int8 (the tiny random model's top logits are often that close)
-    exact_logits = exact.logits(torch.tensor([prompt + tokens]))[0, len(prompt) - 1:-1].float()
-    chosen = exact_logits.gather(1, torch.tensor(tokens)[:, None])[:, 0]
-    assert (exact_logits.max(dim=1).values - chosen).max() < 0.1  # measured: one token 0.043 below a top logit of 1.67
+    ids = torch.tensor([prompt + blocks.generate(prompt, max_new_tokens=8, temperature=0).token_ids])
+    got = blocks.logits(ids).float()
+    monkeypatch.setenv("A3B_NO_NUMBA", "1")  # the same file in bf16 without kernels: dequantized, torch's products
+    torch_bf16 = load_model(quantized["converter_q8_0"], preset="cpu", compute_dtype="bfloat16").logits(ids).float()
+    exact = load_model(quantized["converter_q8_0"], preset="cpu", compute_dtype="float32", weight_format="fp32")
+    want = exact.logits(ids).float()
+    # the decoded sequence's logits: the int8 codes add no more error than bf16 itself makes (measured: 15.4% and
+    # 16.7% relative RMS from the fp32 logits; the tiny random model amplifies any rounding)
+    assert (got - want).norm() <= 1.25 * (torch_bf16 - want).norm()

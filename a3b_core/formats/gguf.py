@@ -56,8 +56,8 @@ class GgufBlocks:
                           for t, blocks in self._blocks(q, e)]).to(dtype)
 
     def cpu_product(self, q: torch.Tensor, scale: torch.Tensor, e: int, x: torch.Tensor) -> torch.Tensor:
-        rows = x.reshape(-1, x.shape[-1]).float().contiguous()
-        out = torch.cat([blocks_product(t.type_id, blocks, rows) for t, blocks in self._blocks(q, e)], dim=-1)
+        rows, exact = x.reshape(-1, x.shape[-1]).float().contiguous(), x.dtype == torch.float32
+        out = torch.cat([blocks_product(t.type_id, blocks, rows, exact) for t, blocks in self._blocks(q, e)], dim=-1)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
     def rows_kernel(self, q: torch.Tensor, input_order: torch.Tensor | None,
@@ -86,9 +86,9 @@ class GgufBlocks:
         return BlockExperts(np.array(types, np.int64), np.array(row_bytes, np.int64), q.numpy(), down_q.numpy(),
                             self.shape[1] // 2)
 
-    def takes_step(self, down: GgufBlocks, rows: int) -> bool:
-        """Whether routed_step computes `rows` decoding rows with `down` as the down stack."""
-        return computes_step(self.step_types(down)[0], rows)
+    def takes_step(self, down: GgufBlocks, x: torch.Tensor) -> bool:
+        """Whether routed_step computes the decoding rows x with `down` as the down stack."""
+        return computes_step(self.step_types(down)[0], x)
 
     def routed_step(self, q: torch.Tensor, down: GgufBlocks, down_q: torch.Tensor, x: torch.Tensor,
                     top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:

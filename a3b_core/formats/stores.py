@@ -110,7 +110,7 @@ class QuantizedExperts(nn.Module):
         blocks, by their kernels) and the tensors are plain CPU ones."""
         layout = getattr(self.gate_up_proj, "layout", None)  # a stack repacked for torch's kernels has none
         return hasattr(layout, "takes_step") and plain_cpu(self.gate_up_proj.q, x, top_i, top_p) and \
-            layout.takes_step(self.down_proj.layout, x.shape[0])
+            layout.takes_step(self.down_proj.layout, x)
 
     def routed_step(self, x: torch.Tensor, top_i: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """The routed experts' weighted sum for the rows of x [N, H] (top_i, top_p [N, k]), in one step."""

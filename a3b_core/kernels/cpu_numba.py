@@ -218,18 +218,28 @@ def pmadd_codegen(int4: bool):
                                     builder.fmul(total, minimum, flags=FAST_FLAGS), flags=FAST_FLAGS)
                 builder.store(builder.fadd(builder.load(scalars), rest, flags=FAST_FLAGS), scalars)
                 factor = builder.fmul(group_scale, factor)
-            splat = builder.shuffle_vector(builder.insert_element(ir.Constant(floats, None), factor, i32(0)),
-                                           ir.Constant(floats, None), ir.Constant(ir.VectorType(i32, sums), [0] * sums))
-            scaled = builder.fmul(builder.sitofp(dot, floats), splat, flags=FAST_FLAGS)
+            scaled = builder.fmul(builder.sitofp(dot, floats), splat(builder, factor, sums), flags=FAST_FLAGS)
             builder.store(builder.fadd(builder.load(acc), scaled, flags=FAST_FLAGS), acc)
-        value, width = builder.load(acc), sums
-        while width > 1:  # the lanes' sum: halves added
-            width //= 2
-            value = builder.fadd(*(builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(i32, width),
-                                                                                     list(range(k, k + width))))
-                                   for k in (0, width)), flags=FAST_FLAGS)
-        return builder.fadd(builder.extract_element(value, i32(0)), builder.load(scalars), flags=FAST_FLAGS)
+        return builder.fadd(lanes_sum(builder, builder.load(acc)), builder.load(scalars), flags=FAST_FLAGS)
     return codegen
+
+
+def splat(builder: ir.IRBuilder, value: ir.Value, lanes: int = 8) -> ir.Value:
+    """LLVM code: a vector of `lanes` copies of a scalar."""
+    vector, i32 = ir.VectorType(value.type, lanes), ir.IntType(32)
+    return builder.shuffle_vector(builder.insert_element(ir.Constant(vector, None), value, i32(0)),
+                                  ir.Constant(vector, None), ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
+
+
+def lanes_sum(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
+    """LLVM code: the sum of a float vector's lanes, halves added."""
+    width, i32 = value.type.count, ir.IntType(32)
+    while width > 1:
+        width //= 2
+        value = builder.fadd(*(builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(i32, width),
+                                                                                 list(range(k, k + width))))
+                               for k in (0, width)), flags=FAST_FLAGS)
+    return builder.extract_element(value, i32(0))
 
 
 def check_row_arguments(name, arrays, wanted, groups):

@@ -9,15 +9,17 @@ reference here). The types computed are the legacy 32-weight blocks (Q8_0, Q4_0,
 The numba kernels (gguf_numba.py) are used when numba imports, compiles them and reproduces gguf-py on a small matrix,
 unless the environment sets A3B_NO_NUMBA=1 (the rule of formats/kernel_stores.py); otherwise gguf-py dequantizes and
 torch multiplies. A product of a few activation rows (kernel_rows) reads each block once and dots its codes with the
-activations; more rows dequantize the matrix and make one torch product. Q4_K, Q6_K and Q8_0 (gguf_numba.CODED_TYPES,
-what Q4_K_M and Q8_0 files hold) are multiplied in integers (in gguf_vector.py's vector code where the CPU has AVX2
-and F16C), and a decoding step's routed experts of these types are computed in one call (routed_step).
+activations; more rows dequantize the matrix and make one torch product. In bf16 and fp16 models, Q4_K, Q6_K and
+Q8_0 (gguf_numba.CODED_TYPES, what Q4_K_M and Q8_0 files hold) are multiplied in integers, the activations coded as
+int8 per 32 inputs as llama.cpp codes them (in gguf_vector.py's vector code where the CPU has AVX2 and F16C), and a
+decoding step's routed experts of these types are computed in one call (routed_step); fp32 models (the reference
+mode) multiply the exact weights.
 
 bench/gguf_blocks.py, a 2048 x 2048 matrix and one activation row on 2 threads of an AMD EPYC (AVX2), against
-torch's bf16 matrix-vector product of the same matrix (0.40-0.42 ms, 20-21 GB/s): Q4_K 0.20 ms (11.7 GB/s of
-blocks), Q6_K 0.36 ms (9.5 GB/s), Q8_0 0.21 ms (21 GB/s), the activations' coding and the call included; the other
-types, decoded to fp32 and multiplied in fp32, 3.6-6.8 ms (0.3-0.9 GB/s). dequantize_rows makes the fp32 matrix in
-1.2-2.4 ms (Q4_K, Q6_K, Q8_0) to 4 ms (the others).
+torch's bf16 matrix-vector product of the same matrix (0.41-0.47 ms, 18-20 GB/s): Q4_K 0.13 ms (18.0 GB/s of
+blocks), Q6_K 0.16 ms (21.9 GB/s), Q8_0 0.22 ms (20.3 GB/s), the activations' coding and the call included; the
+other types, decoded to fp32 and multiplied in fp32, 3.9-6.6 ms (0.3-0.8 GB/s). dequantize_rows makes the fp32 matrix
+in 1.2-2.7 ms (Q4_K, Q6_K, Q8_0) to 4 ms (the others).
 """
 from __future__ import annotations
 
@@ -35,13 +37,16 @@ from .numba_threads import LOCK, checked_module, numba_allowed, set_threads
 # a decoding step of at most this many rows computes its routed experts in one call (routed_step)
 FEW_ROWS = 16
 # products of at most this many activation rows are computed from the blocks by the kernels, more rows by
-# dequantizing the matrix and one torch product: where the two took the same time (2048 x 2048, 2 threads, AVX2 EPYC)
-KERNEL_ROWS = {Q4_K: 6, Q6_K: 6}  # the other types: 1
+# dequantizing the matrix and one torch product: about where the two took the same time (2048 x 2048, 2 threads, AVX2
+# EPYC: Q4_K and Q6_K at 48-64 rows, Q8_0 at 24; dequantizing took 1.5-2.7 ms, the kernels 0.10-0.23 ms a row)
+KERNEL_ROWS = {Q4_K: 48, Q6_K: 48, Q8_0: 16}  # the other types: 1
 IN_ORDER = np.zeros(0, np.int64)  # gguf_numba.coded_product's `order` for inputs as given
 
 
-def kernel_rows(type_id: int) -> int:
-    return KERNEL_ROWS.get(type_id, 1)
+def kernel_rows(type_id: int, exact: bool) -> int:
+    """Products of up to this many rows are the kernels' (blocks_product): a coded type's KERNEL_ROWS unless
+    `exact`, else one (the fp32 kernel decodes each block for each row)."""
+    return 1 if exact else KERNEL_ROWS.get(type_id, 1)
 
 
 def block_type(type_id: int) -> tuple[str, int, int]:
@@ -99,24 +104,24 @@ def check_kernels(gguf_numba: ModuleType) -> None:
         gguf_numba.dequantize_rows(type_id, blocks, got)
         if not np.array_equal(got, want):
             raise ValueError(f"{BLOCK_TYPES[type_id][0]} blocks dequantize differently from gguf-py")
-        product = np.empty((1, 2), dtype=np.float32)
-        numba_product(gguf_numba, type_id, blocks, np.ascontiguousarray(x[:, :cols]), product)
         reference = x[:, :cols].astype(np.float64) @ want.T.astype(np.float64)
-        if not np.all(np.abs(product - reference) <= product_bound(type_id, x[:, :cols], want)):
-            raise ValueError(f"the product of {BLOCK_TYPES[type_id][0]} blocks differs from the reference")
+        for exact in (True, False):
+            product = np.empty((1, 2), dtype=np.float32)
+            numba_product(gguf_numba, type_id, blocks, np.ascontiguousarray(x[:, :cols]), product, exact)
+            if not np.all(np.abs(product - reference) <= product_bound(type_id, x[:, :cols], want, exact)):
+                raise ValueError(f"the product of {BLOCK_TYPES[type_id][0]} blocks differs from the reference")
 
 
-def product_bound(type_id: int, x: np.ndarray, weights: np.ndarray) -> np.ndarray:
-    """How far the kernels' product of rows x [T, cols] with a matrix's weights [rows, cols] may be from the exact one
-    ([T, rows]): fp32 rounding of the sums (1e-5 of the sum of the products' magnitudes), and for CODED_TYPES the
-    activations' int8 codes (each input off by at most half a step: 1/254 of the largest |x| of its run of 256 inputs,
-    Q8_0's of 32)."""
+def product_bound(type_id: int, x: np.ndarray, weights: np.ndarray, exact: bool) -> np.ndarray:
+    """How far blocks_product of rows x [T, cols] with a matrix's weights [rows, cols] may be from the exact product
+    ([T, rows]): fp32 rounding of the sums (1e-5 of the sum of the products' magnitudes), and unless `exact`, for
+    CODED_TYPES the activations' int8 codes (each input off by at most half a step: 1/254 of the largest |x| of its
+    group of 32)."""
     x, weights = np.abs(x).astype(np.float64), np.abs(weights).astype(np.float64)
     bound = 1e-5 * (x @ weights.T)
-    if type_id in (Q4_K, Q6_K, Q8_0):
-        span = 32 if type_id == Q8_0 else 256
-        largest = x.reshape(x.shape[0], -1, span).max(axis=2)
-        bound += np.repeat(largest / 254, span, axis=1) @ weights.T
+    if type_id in (Q4_K, Q6_K, Q8_0) and not exact:
+        largest = x.reshape(x.shape[0], -1, 32).max(axis=2)
+        bound += np.repeat(largest / 254, 32, axis=1) @ weights.T
     return bound
 
 
@@ -157,30 +162,32 @@ def dequantize_blocks(type_id: int, blocks: np.ndarray, cols: int) -> torch.Tens
     return torch.from_numpy(out)
 
 
-def blocks_product(type_id: int, blocks: np.ndarray, x: torch.Tensor) -> torch.Tensor:
+def blocks_product(type_id: int, blocks: np.ndarray, x: torch.Tensor, exact: bool) -> torch.Tensor:
     """x @ W.T for the matrix W of blocks [rows, row_bytes] and activations x float32 [T, cols]: float32 [T, rows].
-    Many rows (or no numba) dequantize W and multiply in fp32: the dequantized weights are exact fp32 values, so the
-    product is the reference's up to fp32 rounding of the sums, where bf16 would round weights and activations to 8
-    bits of mantissa (and without AMX is not faster on the CPU)."""
+    `exact` (activations of an fp32 model, the reference mode): W's exact weights times x, summed in fp32; else
+    (bf16 or fp16 models) CODED_TYPES' products of up to kernel_rows rows code x as int8 (product_bound). Many rows
+    (or no numba) dequantize W and multiply in fp32: the dequantized weights are exact fp32 values, where bf16 would
+    round weights and activations to 8 bits of mantissa (and without AMX is not faster on the CPU)."""
     if x.dtype != torch.float32 or x.ndim != 2:
         raise ValueError(f"activations multiplied with GGUF blocks are float32 [T, cols]; got {x.dtype} "
                               f"{list(x.shape)}. Convert them with .float() first.")
     cols = x.shape[1]
     check_blocks(type_id, blocks, cols)
     compiled = kernels()
-    if compiled is None or x.shape[0] > kernel_rows(type_id):
+    if compiled is None or x.shape[0] > kernel_rows(type_id, exact):
         return x @ dequantize_blocks(type_id, blocks, cols).T
     out = np.empty((x.shape[0], blocks.shape[0]), dtype=np.float32)
     with LOCK:
         set_threads()
-        numba_product(compiled, type_id, blocks, x.detach().contiguous().numpy(), out)
+        numba_product(compiled, type_id, blocks, x.detach().contiguous().numpy(), out, exact)
     return torch.from_numpy(out)
 
 
-def numba_product(gguf_numba: ModuleType, type_id: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray) -> None:
-    """out = x @ W.T by the kernels: in integers for gguf_numba.CODED_TYPES (x coded as int8, product_bound), else in
-    fp32."""
-    if type_id in gguf_numba.CODED_TYPES:
+def numba_product(gguf_numba: ModuleType, type_id: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray,
+                  exact: bool) -> None:
+    """out = x @ W.T by the kernels: in integers for gguf_numba.CODED_TYPES unless `exact` (x coded as int8,
+    product_bound), else in fp32 from the exact weights."""
+    if type_id in gguf_numba.CODED_TYPES and not exact:
         gguf_numba.coded_product(type_id, blocks, x, IN_ORDER, out)
     else:
         gguf_numba.product_rows(type_id, blocks, x, out)
@@ -211,7 +218,8 @@ class BlocksRows:
         return BlockMatrix(self.type_id, self.blocks, self.order, *self.side)
 
     def takes(self, x: torch.Tensor) -> bool:
-        return x.numel() <= kernel_rows(self.type_id) * x.shape[-1] and plain_cpu(x)
+        """Whether the kernel computes this product (it is attached to bf16 and fp16 models only: it codes x)."""
+        return x.numel() <= kernel_rows(self.type_id, False) * x.shape[-1] and plain_cpu(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.detach().reshape(-1, x.shape[-1]).float().contiguous().numpy()
@@ -228,10 +236,10 @@ def coded(types: tuple[int, ...]) -> bool:
     return compiled is not None and all(t in compiled.CODED_TYPES for t in types)
 
 
-def computes_step(types: tuple[int, int, int], rows: int) -> bool:
-    """Whether routed_step computes `rows` decoding rows of experts whose gate, up and down rows are of `types`: they
-    are coded and there are at most FEW_ROWS rows."""
-    return rows <= FEW_ROWS and coded(types)
+def computes_step(types: tuple[int, int, int], x: torch.Tensor) -> bool:
+    """Whether routed_step computes the decoding rows x of experts whose gate, up and down rows are of `types`: they
+    are coded, x is not fp32 (whose products are blocks_product's exact ones), and there are at most FEW_ROWS rows."""
+    return x.shape[0] <= FEW_ROWS and x.dtype != torch.float32 and coded(types)
 
 
 def routed_step(types: tuple[int, int, int], row_bytes: tuple[int, int, int], inter: int, gate_up: np.ndarray,

@@ -240,47 +240,40 @@ def product_rows(type_id, blocks, x, out):
 
 # ----------------------------------------------------------------------------------- integer products (CODED_TYPES)
 # Q4_K, Q6_K and Q8_0 (what Q4_K_M and Q8_0 files hold) are multiplied in integers, as llama.cpp multiplies them: the
-# activations coded as int8 (coded_bytes: code * step, a step per 256 inputs for the K types as llama.cpp's Q8_K, per
-# 32 for Q8_0 as its Q8_0), each group's codes dotted with the weights' integer codes in int32 (vectorized as
-# pmaddubsw and pmaddwd in gguf_vector.py), and the group's sum scaled once. Each step is truncated to int32 so that
+# activations coded as int8 per group of 32 inputs (coded_bytes: code * step), each group's codes dotted with the
+# weights' integer codes in int32 (vectorized as pmaddubsw and pmaddwd in gguf_vector.py), and the group's sum scaled
+# once. Each step is truncated to int32 so that
 # LLVM keeps the sums 32-bit (numba widens integer arithmetic to 64).
 CODED_TYPES = (Q4_K, Q6_K, Q8_0)
 
 
-@njit(cache=True, inline="always")
-def code_span(type_id):
-    """The inputs an activation step covers for a type's rows: a K block's 256, Q8_0's 32."""
-    return 32 if type_id == Q8_0 else 256
-
-
 @njit(cache=True, fastmath=FAST)
-def coded_bytes(x, span):
-    """Each run of `span` inputs (32 or 256) of each row of x [T, in] as int8 codes, x ~ code * step, the step the
-    run's largest |x| / 127, as (extra [T, 3, in / 32], codes [T, in]). extra holds, per 32 inputs, the step (the
-    same in a run), the sum of x, and 7.5 times the codes' rounding error summed over the 32: a Q4_K group is scale *
-    (step * sum(nibble * code) + that correction) - minimum * sum(x), so the rounding errors are weighted by the
-    nibbles less their mean (as cpu_numba.coded_groups' int16 codes). Each input is off by at most 1/254 of its run's
-    largest |x|. A run holding an inf or a NaN gets a NaN step and codes 0: the rows' results are NaN."""
-    groups = x.shape[1] // 32
-    extra = np.zeros((x.shape[0], 3, groups), np.float32)
+def coded_bytes(x):
+    """Each group of 32 inputs of each row of x [T, in] as int8 codes, x ~ code * step, the step the group's largest
+    |x| / 127, as (extra [T, 3, in / 32], codes [T, in]) (llama.cpp codes them per 32 for Q8_0 rows, per 256 for the
+    K types: per 32, an outlier costs its own group's precision only). extra holds, per group, the step, the sum of x,
+    and 7.5 times the codes' rounding error summed over the group: a Q4_K group is scale * (step * sum(nibble * code)
+    + that correction) - minimum * sum(x), so the rounding errors are weighted by the nibbles less their mean (as
+    cpu_numba.coded_groups' int16 codes). Each input is off by at most 1/254 of its group's largest |x|. A group
+    holding an inf or a NaN gets a NaN step and codes 0: the rows' results are NaN."""
+    extra = np.zeros((x.shape[0], 3, x.shape[1] // 32), np.float32)
     codes = np.zeros(x.shape, np.int8)
     for t in range(x.shape[0]):
-        for first in range(0, x.shape[1], span):
+        for g in range(x.shape[1] // 32):
             total, largest = np.float32(0.0), np.float32(0.0)
-            for k in range(first, first + span):
+            for k in range(32 * g, 32 * g + 32):
                 total += x[t, k]
                 largest = max(largest, abs(x[t, k]))
-            finite = np.isfinite(total)  # max() passes a NaN over; the sum does not
-            step = largest / np.float32(127.0) if finite else np.float32(np.nan)
-            inverse = np.float32(127.0) / largest if finite and largest > np.float32(1e-30) else np.float32(0.0)
-            for g in range(first // 32, (first + span) // 32):
-                group_total, coded = np.float32(0.0), np.float32(0.0)
+            if not np.isfinite(total):  # max() passes a NaN over; the sum does not
+                extra[t, :, g] = np.nan
+                continue
+            step, coded = largest / np.float32(127.0), np.float32(0.0)
+            if largest > np.float32(1e-30):  # below it, codes 0: the correction carries the group (7.5 * sum)
+                inverse = np.float32(127.0) / largest  # |x| * inverse <= 127
                 for k in range(32 * g, 32 * g + 32):
-                    group_total += x[t, k]
-                    codes[t, k] = np.int8(np.rint(x[t, k] * inverse))  # |x| * inverse <= 127
+                    codes[t, k] = np.int8(np.rint(x[t, k] * inverse))
                     coded += np.float32(codes[t, k]) * step
-                extra[t, 0, g], extra[t, 1, g] = step, group_total
-                extra[t, 2, g] = np.float32(7.5) * (group_total - coded) if finite else np.float32(np.nan)
+            extra[t, 0, g], extra[t, 1, g], extra[t, 2, g] = step, total, np.float32(7.5) * (total - coded)
     return extra, codes
 
 
@@ -443,7 +436,7 @@ def coded_product(type_id, blocks, x, order, out):
     """out[t, r] = dot(row r of blocks' weights, x[t] with its inputs in `order`, as in_order) for a CODED_TYPES
     matrix (blocks uint8 [rows, row_bytes]) and activation rows x (fp32 [T, cols]), coded here by coded_bytes: each
     input off by at most 1/254 of its run's largest |x|."""
-    extra, codes = coded_bytes(in_order(x, order), code_span(type_id))
+    extra, codes = coded_bytes(in_order(x, order))
     rows, count = blocks.shape[0], codes.shape[0]
     for item in prange((rows + ROW_BLOCK - 1) // ROW_BLOCK):
         for r in range(item * ROW_BLOCK, min(rows, (item + 1) * ROW_BLOCK)):
@@ -465,7 +458,7 @@ def coded_routed_step(types, row_bytes, inter, gate_up, down, x, ids, weights, o
     slots = tokens * top_k
     gate_bytes = inter * row_bytes[0]
     act = np.empty((slots, inter), np.float32)
-    extra, codes = coded_bytes(x, max(code_span(types[0]), code_span(types[1])))  # a K half's 256 serves Q8_0 too
+    extra, codes = coded_bytes(x)
     blocks = (inter + ROW_BLOCK - 1) // ROW_BLOCK
     for item in prange(slots * blocks):  # a work item: a block of one slot's gate and up rows, then SiLU(gate) * up
         s, b = item // blocks, item % blocks
@@ -475,7 +468,7 @@ def coded_routed_step(types, row_bytes, inter, gate_up, down, x, ids, weights, o
             up = coded_dot(types[1], gate_up[e, gate_bytes + i * row_bytes[1]:gate_bytes + (i + 1) * row_bytes[1]],
                            codes[t], extra[t])
             act[s, i] = gate / (1 + np.exp(-gate)) * up
-    act_extra, act_codes = coded_bytes(act, code_span(types[2]))
+    act_extra, act_codes = coded_bytes(act)
     for b in prange((hidden + ROW_BLOCK - 1) // ROW_BLOCK):  # a work item: a block of output rows, expert by expert
         for r in range(b * ROW_BLOCK, min(hidden, (b + 1) * ROW_BLOCK)):
             for t in range(tokens):

@@ -1,9 +1,9 @@
 """Q4_K, Q6_K and Q8_0 rows dotted with int8-coded activations (gguf_numba.coded_bytes) in vector code of the pack's
 own (LLVM instructions through numba's intrinsics), as llama.cpp's AVX2 code multiplies them: AVX2's pmaddubsw
 multiplies 32 unsigned weight codes with 32 signed activation codes and sums them in pairs (int16), and pmaddwd sums
-those in pairs again (int32), weighted by the group's integer weight scale. A block's eight int32 lanes are summed in
-integers over the whole block and scaled once, by its weight scale d times the activations' step (one step per
-256 inputs for Q4_K and Q6_K, per 32 for Q8_0), into eight fp32 lanes summed across only at the row's end.
+those in pairs again (int32), weighted by the group's integer weight scale. Each run of 32 inputs' eight int32 lanes
+are turned into fp32 and scaled by the run's activation step, and a block's lanes by its weight scale d, into eight
+fp32 lanes summed across only at the row's end.
 
 A block's weight codes are made in vectors from its bytes, 32 at a time:
 - Q8_0 (34 bytes, 32 weights): the 32 int8 codes; pmaddubsw takes their magnitudes, and the activations' codes take
@@ -13,8 +13,8 @@ A block's weight codes are made in vectors from its bytes, 32 at a time:
   activations' sums, and their rounding corrections, go to fp32 lanes of their own).
 - Q6_K (210 bytes, 256 weights): each weight's low 4 bits from a nibble of `ql`, its high 2 bits from 2 bits of `qh`,
   less 32 (signed, as Q8_0's); int8 scales per 16.
-The integers cannot overflow: a Q4_K block's lane sums at most 32 products of a nibble (15), a scale (63) and a code
-(127), Q6_K's 32 of 32 * 127 * 127, Q8_0's 4 of 128 * 127.
+The integers cannot overflow: a run's lane sums 4 products of a code (at most 127) and a weight code times its scale
+(at most 15 * 63 for Q4_K, 32 * 128 for Q6_K, 128 for Q8_0), and pmaddubsw's pairs stay within int16.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .cpu_numba import FAST_FLAGS, PMADD_LANES, check_row_arguments, host_features
+from .cpu_numba import FAST_FLAGS, PMADD_LANES, check_row_arguments, host_features, lanes_sum, splat
 from .gguf_types import Q4_K, Q6_K, Q8_0
 
 # pmaddubsw and pmaddwd of AVX2 (AVX-512 has AVX2's), fp16 scales by F16C's vcvtph2ps
@@ -97,14 +97,6 @@ def q4_k_sixes(builder: ir.IRBuilder, load) -> tuple[ir.Value, ir.Value]:
             join(builder.and_(second, const(63)), builder.or_(builder.lshr(third, const(4)), top_bits(second))))
 
 
-def splat(builder: ir.IRBuilder, value: ir.Value, lanes: int = 8) -> ir.Value:
-    """A vector of `lanes` copies of a scalar."""
-    i32 = ir.IntType(32)
-    vector = ir.VectorType(value.type, lanes)
-    return builder.shuffle_vector(builder.insert_element(ir.Constant(vector, None), value, i32(0)),
-                                  ir.Constant(vector, None), ir.Constant(ir.VectorType(i32, lanes), [0] * lanes))
-
-
 def q4_k_rest(builder: ir.IRBuilder, load, d: ir.Value, dmin: ir.Value, sums: ir.Value,
               corrections: ir.Value) -> ir.Value:
     """A Q4_K block's part outside its codes' products, as <8 x float> lanes to be summed: each group's scale times its
@@ -121,17 +113,6 @@ def q4_k_rest(builder: ir.IRBuilder, load, d: ir.Value, dmin: ir.Value, sums: ir
                                      flags=FAST_FLAGS),
                         builder.fmul(builder.fmul(minimum, splat(builder, dmin), flags=FAST_FLAGS), run(sums),
                                      flags=FAST_FLAGS), flags=FAST_FLAGS)
-
-
-def lanes_sum(builder: ir.IRBuilder, value: ir.Value) -> ir.Value:
-    """The sum of a <8 x float>'s lanes, halves added."""
-    width, i32 = 8, ir.IntType(32)
-    while width > 1:
-        width //= 2
-        value = builder.fadd(*(builder.shuffle_vector(value, value, ir.Constant(ir.VectorType(i32, width),
-                                                                                 list(range(k, k + width))))
-                               for k in (0, width)), flags=FAST_FLAGS)
-    return builder.extract_element(value, i32(0))
 
 
 def coded_row_codegen(type_id: int):
@@ -173,7 +154,7 @@ def coded_row_codegen(type_id: int):
             if type_id == Q4_K:
                 rest = q4_k_rest(builder, load, d, half(2), *(builder.gep(p, [first_group]) for p in (sums, corrections)))
                 builder.store(builder.fadd(builder.load(rest_acc), rest, flags=FAST_FLAGS), rest_acc)
-            dot = ir.Constant(pairs, [0] * 8)
+            block = ir.Constant(floats, [0.0] * 8)  # the block's sum, less its scale d
             for k, ((weights, signed), scale) in enumerate(zip(block_runs(builder, type_id, load),
                                                                run_scales(builder, type_id, load))):
                 code_pointer = builder.bitcast(builder.gep(first_code, [intp(32 * k)]), runs.as_pointer())
@@ -181,10 +162,12 @@ def coded_row_codegen(type_id: int):
                 if signed:  # pmaddubsw's first operand is unsigned: the weights' signs move to the activations
                     weights, activations = (builder.call(magnitude, [weights, ir.IntType(1)(0)]),
                                             builder.call(sign, [activations, weights]))
-                dot = builder.add(dot, builder.call(pmadd, [builder.call(maddubs, [weights, activations]), scale]))
-            factor = splat(builder, builder.fmul(d, builder.load(builder.gep(steps, [first_group])), flags=FAST_FLAGS))
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(builder.sitofp(dot, floats), factor,
-                                                                       flags=FAST_FLAGS), flags=FAST_FLAGS), acc)
+                dot = builder.call(pmadd, [builder.call(maddubs, [weights, activations]), scale])
+                step = splat(builder, builder.load(builder.gep(steps, [builder.add(first_group, intp(k))])))
+                block = builder.fadd(block, builder.fmul(builder.sitofp(dot, floats), step, flags=FAST_FLAGS),
+                                     flags=FAST_FLAGS)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(block, splat(builder, d), flags=FAST_FLAGS),
+                                       flags=FAST_FLAGS), acc)
         return builder.fadd(lanes_sum(builder, builder.load(acc)), lanes_sum(builder, builder.load(rest_acc)),
                             flags=FAST_FLAGS)
     return codegen
