@@ -11,21 +11,24 @@ Rounds interleave the two products; medians are printed. The matrices (4-9 MiB o
 partly in a large L3 cache: these are compute rates more than memory-bound ones.
 
 An AMD EPYC (AVX2, 2 vCPUs), 2 threads, 2048 x 2048, one row (median of 200 calls each); Q4_K, Q6_K and Q8_0 are
-multiplied in integers (kernels/gguf_vector.py), the others decoded to fp32:
+multiplied in integers, the row coded as int8 (kernels/gguf_vector.py), the others decoded to fp32:
 
     type     kernel us  GB/s  bf16 us  GB/s  bf16/kernel time
-    Q4_0       6008     0.39    427    19.7   0.07
-    Q4_1       6817     0.38    540    15.5   0.08
-    Q5_0       4250     0.68    431    19.5   0.10
-    Q5_1       3614     0.87    398    21.1   0.11
-    Q8_0        212    20.98    401    20.9   1.89
-    Q2_K       4376     0.31    468    17.9   0.11
-    Q3_K       4349     0.41    410    20.4   0.09
-    Q4_K        202    11.70    416    20.2   2.06
-    Q5_K       4623     0.62    591    14.2   0.13
-    Q6_K        364     9.47    632    13.3   1.74
-    IQ4_NL     5378     0.44    410    20.5   0.08
-    IQ4_XS     5212     0.43    414    20.3   0.08
+    Q4_0       5745     0.41    475    17.7   0.08
+    Q4_1       6493     0.40    478    17.6   0.07
+    Q5_0       5105     0.56    511    16.4   0.10
+    Q5_1       5355     0.59    443    18.9   0.08
+    Q8_0        219    20.31    437    19.2   1.99
+    Q2_K       4859     0.28    447    18.8   0.09
+    Q3_K       6850     0.26    454    18.5   0.07
+    Q4_K        181    13.03    444    18.9   2.45
+    Q5_K       3935     0.73    433    19.4   0.11
+    Q6_K        155    22.21    409    20.5   2.64
+    IQ4_NL     5116     0.46    442    19.0   0.09
+    IQ4_XS     4954     0.45    440    19.1   0.09
+
+The machine's speed swings between runs (Q4_K read 13-18 GB/s in three runs the same hour); on 8192 x 2048
+matrices, in one process alternating with the int16-coded kernels they replaced, Q4_K read 20-22 against 14 GB/s.
 """
 from __future__ import annotations
 

@@ -16,10 +16,10 @@ decoding step's routed experts of these types are computed in one call (routed_s
 mode) multiply the exact weights.
 
 bench/gguf_blocks.py, a 2048 x 2048 matrix and one activation row on 2 threads of an AMD EPYC (AVX2), against
-torch's bf16 matrix-vector product of the same matrix (0.41-0.47 ms, 18-20 GB/s): Q4_K 0.13 ms (18.0 GB/s of
-blocks), Q6_K 0.16 ms (21.9 GB/s), Q8_0 0.22 ms (20.3 GB/s), the activations' coding and the call included; the
-other types, decoded to fp32 and multiplied in fp32, 3.9-6.6 ms (0.3-0.8 GB/s). dequantize_rows makes the fp32 matrix
-in 1.2-2.7 ms (Q4_K, Q6_K, Q8_0) to 4 ms (the others).
+torch's bf16 matrix-vector product of the same matrix (0.41-0.51 ms, 16-20 GB/s): Q4_K 0.15-0.18 ms (13-16 GB/s
+of blocks), Q6_K 0.16-0.17 ms (20-22 GB/s), Q8_0 0.13-0.22 ms (20-34 GB/s), the activations' coding and the call
+included; the other types, decoded to fp32 and multiplied in fp32, 3.9-6.8 ms (0.3-0.8 GB/s). dequantize_rows makes
+the fp32 matrix in 1.2-2.7 ms (Q4_K, Q6_K, Q8_0) to 4 ms (the others).
 """
 from __future__ import annotations
 
