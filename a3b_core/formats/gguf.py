@@ -60,14 +60,14 @@ class GgufBlocks:
         out = torch.cat([blocks_product(t.type_id, blocks, rows, exact) for t, blocks in self._blocks(q, e)], dim=-1)
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
 
-    def rows_kernel(self, q: torch.Tensor, input_order: torch.Tensor | None,
+    def rows_kernel(self, fmt: str, q: torch.Tensor, input_order: torch.Tensor | None,
                     side: tuple[np.ndarray, ...] = ()) -> BlocksRows | None:
-        """The few-row products' kernel of a stack of one matrix of one type (a dense matrix), or None; `side`: the
-        LoRA side path the fused steps add (BlocksRows)."""
+        """The few-row products' kernel of a stack of one matrix of one type (a dense matrix of format `fmt`), or
+        None; `side`: the LoRA side path the fused steps add (BlocksRows)."""
         if len(self.parts) != 1 or self.shape[0] != 1:
             return None
         (block_type, rows), = self.parts
-        return BlocksRows.of(block_type.type_id, q.numpy().reshape(rows, -1), input_order, side)
+        return BlocksRows.of(fmt, block_type.type_id, q.numpy().reshape(rows, -1), input_order, side)
 
     def step_types(self, down: GgufBlocks) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
         """The type ids and bytes per row of the gate rows, the up rows (this stack's halves) and down's rows."""

@@ -199,19 +199,18 @@ class BlocksRows:
     order the matrix's columns were stored in, or None) and coded in the call, so the product costs one torch
     conversion besides it. `matrix` is the same matrix as the fused decoding steps read it, with the LoRA side path
     `side` (arrays.Matrix's side_a, side_b; this kernel's own products are the module's, whose side path its owner
-    adds)."""
-    fmt = "gguf"  # the weight format (formats/table.py) whose matrices it computes
+    adds). `fmt`: the weight format (formats/table.py) of the module it computes."""
 
-    def __init__(self, compiled: ModuleType, type_id: int, blocks: np.ndarray, order: torch.Tensor | None,
+    def __init__(self, fmt: str, compiled: ModuleType, type_id: int, blocks: np.ndarray, order: torch.Tensor | None,
                  side: tuple[np.ndarray, ...] = ()):
-        self.compiled, self.type_id, self.blocks, self.side = compiled, type_id, blocks, side
+        self.fmt, self.compiled, self.type_id, self.blocks, self.side = fmt, compiled, type_id, blocks, side
         self.order = IN_ORDER if order is None else order.numpy().astype(np.int64)
 
     @classmethod
-    def of(cls, type_id: int, blocks: np.ndarray, order: torch.Tensor | None,
+    def of(cls, fmt: str, type_id: int, blocks: np.ndarray, order: torch.Tensor | None,
            side: tuple[np.ndarray, ...] = ()) -> BlocksRows | None:
         """The kernel of a matrix whose type the kernels multiply in integers, where they are used; else None."""
-        return cls(kernels(), type_id, blocks, order, side) if coded((type_id,)) else None
+        return cls(fmt, kernels(), type_id, blocks, order, side) if coded((type_id,)) else None
 
     @property
     def matrix(self) -> BlockMatrix:

@@ -130,7 +130,7 @@ def dense_kernel(matrix: nn.Module | torch.Tensor, kernels: ModuleType, side: Lo
         if matrix.fmt in KERNEL_FORMATS:
             return DenseKernel(matrix.fmt, matrix.matrix, kernels, side)
         own = getattr(matrix.matrix.layout, "rows_kernel", None)  # a layout with kernels of its own (GGUF blocks)
-        return None if own is None else own(matrix.matrix.q, matrix.input_order, side_arrays(side))
+        return None if own is None else own(matrix.fmt, matrix.matrix.q, matrix.input_order, side_arrays(side))
     if isinstance(matrix, CpuLinear) and matrix.bias is None:
         matrix = matrix.weight.data
     ok = isinstance(matrix, torch.Tensor) and matrix.dtype == torch.bfloat16 and plain_cpu(matrix) \
