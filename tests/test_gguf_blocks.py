@@ -10,6 +10,7 @@ from gguf.quants import dequantize, quantize
 
 from a3b_core.errors import CheckpointError
 from a3b_core.kernels import gguf_blocks
+from a3b_core.kernels.cpu_linear import many_rows_weight_dtype
 from a3b_core.kernels.gguf_blocks import (blocks_product, computes_step, dequantize_blocks, kernel_rows,
                                           product_bound, random_blocks, routed_step, row_bytes)
 from a3b_core.kernels.gguf_types import BLOCK_TYPES, Q4_0, Q4_K, Q6_K, Q8_0
@@ -77,7 +78,8 @@ def test_kernel_row_results_do_not_depend_on_the_batch():
     if gguf_blocks.kernels() is None:
         pytest.skip("numba is not installed or its kernels did not compile")
     blocks, cols = matrix_blocks(Q4_K, 40, 2, seed=1)
-    x = torch.randn(kernel_rows(Q4_K, False), cols, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(48, cols, generator=torch.Generator().manual_seed(2))
+    assert kernel_rows(Q4_K, x, False) == len(x)
     together = blocks_product(Q4_K, blocks, x, False)
     alone = torch.cat([blocks_product(Q4_K, blocks, x[t:t + 1], False) for t in range(len(x))])
     assert torch.equal(together, alone)
@@ -157,3 +159,27 @@ def test_routed_step_equals_the_experts_one_by_one(types):
     # the largest |output| on these random matrices
     scale = np.abs(want).max()
     np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=2.5e-2 * scale)
+
+
+@pytest.mark.parametrize("type_id", [Q4_K, Q4_0], ids=["Q4_K", "Q4_0"])
+def test_bf16_dequantization_rounds_as_torch(type_id, path):
+    """The bf16 weights many-row products multiply are the fp32 weights rounded as torch rounds them."""
+    blocks, cols = matrix_blocks(type_id, 37, 2, seed=3)
+    want = torch.from_numpy(dequantize(blocks, GGMLQuantizationType(type_id))).bfloat16()
+    assert torch.equal(dequantize_blocks(type_id, blocks, cols, torch.bfloat16), want)
+
+
+def test_many_bf16_rows_multiply_the_weights_in_the_product_dtype(path):
+    """A bf16 model's product of many rows is torch's product of the dequantized weights: in bf16 where oneDNN
+    multiplies bf16, else in fp32 from the exact weights, rounded to bf16 once."""
+    blocks, cols = matrix_blocks(Q4_K, 21, 2, seed=4)
+    weights = torch.from_numpy(dequantize(blocks, GGMLQuantizationType(Q4_K)))
+    x = torch.randn(49, cols, generator=torch.Generator().manual_seed(5)).bfloat16()
+    assert len(x) > kernel_rows(Q4_K, x, False)
+    got = blocks_product(Q4_K, blocks, x, False)
+    assert got.dtype == torch.bfloat16
+    if many_rows_weight_dtype(x) == torch.bfloat16:
+        want = torch.nn.functional.linear(x, weights.bfloat16())
+    else:
+        want = (x.float() @ weights.T).bfloat16()
+    assert torch.equal(got, want)

@@ -67,7 +67,7 @@ def test_experts_in_their_blocks_give_the_dequantized_files_logits(quantized, na
     dequantized, _ = logits(quantized[name], "fp32")  # every weight dequantized at load by gguf-py
     # Q4_K, Q6_K and Q8_0 products code the activations as int8, as llama.cpp does (gguf_blocks.product_bound): the
     # mixed file's logits measured 0.6% relative RMS from the dequantized ones, the others under 0.05%
-    print("RMS", ((blocks - dequantized).norm() / dequantized.norm()).item()); assert ((blocks - dequantized).norm() / dequantized.norm()).item() < 1.5e-2
+    assert ((blocks - dequantized).norm() / dequantized.norm()).item() < 1.5e-2
     ckpt = GGUFCheckpoint(quantized[name])
     for index, layer in enumerate(model.text.layers):
         experts = layer.mlp.experts
@@ -97,8 +97,15 @@ def test_auto_keeps_the_blocks_and_the_plan_names_their_types(quantized, one_thr
     assert model.plan.dense_format == "gguf"
     assert any("dense parts" in n and "GGUF file's blocks (Q6_K, Q8_0)" in n for n in model.plan.notes)
     exact, _ = logits(quantized["moe_f32"], "fp32")  # the reference mode: every weight dequantized, fp32 throughout
-    # bf16 activations between layers (the tiny random model amplifies their rounding): 8% relative RMS
-    assert ((auto - exact).norm() / exact.norm()).item() < 8e-2
+    bf16, _ = logits(quantized["moe_f32"], "bf16", "bfloat16")  # a bf16 model: every weight dequantized to bf16
+
+    def error(got: torch.Tensor) -> float:
+        return ((got - exact).norm() / exact.norm()).item()
+
+    # the tiny random model amplifies bf16's rounding: a bf16 model of these weights is 15% relative RMS from the
+    # exact logits; the blocks (bf16 weights in products of many rows where oneDNN multiplies bf16, else fp32 ones)
+    # measured 15% and 3.3%
+    assert error(auto) < 1.2 * error(bf16)
 
 
 @pytest.mark.parametrize("name", ["moe_f32", "vl_moe_f32"])

@@ -52,13 +52,13 @@ class GgufBlocks:
         return out
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat([dequantize_blocks(t.type_id, blocks, self.shape[2])
-                          for t, blocks in self._blocks(q, e)]).to(dtype)
+        return torch.cat([dequantize_blocks(t.type_id, blocks, self.shape[2], dtype)
+                          for t, blocks in self._blocks(q, e)])
 
     def cpu_product(self, q: torch.Tensor, scale: torch.Tensor, e: int, x: torch.Tensor) -> torch.Tensor:
-        rows, exact = x.reshape(-1, x.shape[-1]).float().contiguous(), x.dtype == torch.float32
+        rows, exact = x.reshape(-1, x.shape[-1]), x.dtype == torch.float32
         out = torch.cat([blocks_product(t.type_id, blocks, rows, exact) for t, blocks in self._blocks(q, e)], dim=-1)
-        return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+        return out.reshape(*x.shape[:-1], -1)
 
     def rows_kernel(self, fmt: str, q: torch.Tensor, input_order: torch.Tensor | None,
                     side: tuple[np.ndarray, ...] = ()) -> BlocksRows | None:

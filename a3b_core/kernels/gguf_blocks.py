@@ -31,22 +31,30 @@ import torch
 
 from ..errors import CheckpointError
 from .arrays import BlockMatrix, plain_cpu
+from .cpu_linear import many_rows_product, many_rows_weight_dtype
 from .gguf_types import BLOCK_TYPES, Q2_K, Q3_K, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0
 from .numba_threads import LOCK, checked_module, numba_allowed, set_threads
 
 # a decoding step of at most this many rows computes its routed experts in one call (routed_step)
 FEW_ROWS = 16
 # products of at most this many activation rows are computed from the blocks by the kernels, more rows by
-# dequantizing the matrix and one torch product: about where the two took the same time (2048 x 2048, 2 threads, AVX2
-# EPYC: Q4_K and Q6_K at 48-64 rows, Q8_0 at 24; dequantizing took 1.5-2.7 ms, the kernels 0.10-0.23 ms a row)
+# dequantizing the matrix and one torch product: about where the two took the same time on 2 threads of AMD EPYCs.
+# Multiplied in fp32 (AVX2, 2048 x 2048; dequantizing took 1.5-2.7 ms, the kernels 0.10-0.23 ms a row): Q4_K and Q6_K
+# at 48-64 rows, Q8_0 at 24. Multiplied in bf16 where oneDNN does (AVX-512 bf16; 2048 x 2048, 512 x 2048 and
+# 2048 x 512): Q4_K at 12-16 rows, Q6_K at 32-48, Q8_0 at 16-24.
 KERNEL_ROWS = {Q4_K: 48, Q6_K: 48, Q8_0: 16}  # the other types: 1
+KERNEL_ROWS_BESIDE_BF16 = {Q4_K: 12, Q6_K: 32, Q8_0: 16}
 IN_ORDER = np.zeros(0, np.int64)  # gguf_numba.coded_product's `order` for inputs as given
 
 
-def kernel_rows(type_id: int, exact: bool) -> int:
-    """Products of up to this many rows are the kernels' (blocks_product): a coded type's KERNEL_ROWS unless
+def kernel_rows(type_id: int, x: torch.Tensor, exact: bool) -> int:
+    """Products of up to this many rows of x are the kernels' (blocks_product): a coded type's KERNEL_ROWS, or
+    KERNEL_ROWS_BESIDE_BF16 where more rows would be multiplied in bf16 (cpu_linear.many_rows_weight_dtype), unless
     `exact`, else one (the fp32 kernel decodes each block for each row)."""
-    return 1 if exact else KERNEL_ROWS.get(type_id, 1)
+    if exact:
+        return 1
+    table = KERNEL_ROWS_BESIDE_BF16 if many_rows_weight_dtype(x) == torch.bfloat16 else KERNEL_ROWS
+    return table.get(type_id, 1)
 
 
 def block_type(type_id: int) -> tuple[str, int, int]:
@@ -149,38 +157,44 @@ def reference_dequantize(type_id: int, blocks: np.ndarray, cols: int) -> np.ndar
     return dequantize(blocks, GGMLQuantizationType(type_id)).reshape(blocks.shape[0], cols)
 
 
-def dequantize_blocks(type_id: int, blocks: np.ndarray, cols: int) -> torch.Tensor:
-    """The weights of blocks [rows, row_bytes(type_id, cols)] as float32 [rows, cols]."""
+def dequantize_blocks(type_id: int, blocks: np.ndarray, cols: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The weights of blocks [rows, row_bytes(type_id, cols)] as [rows, cols] in `dtype`: the fp32 weights rounded
+    to it once (bf16 ones by the kernel, as torch rounds them)."""
     check_blocks(type_id, blocks, cols)
     compiled = kernels()
     if compiled is None:
-        return torch.from_numpy(reference_dequantize(type_id, blocks, cols))
-    out = np.empty((blocks.shape[0], cols), dtype=np.float32)
+        return torch.from_numpy(reference_dequantize(type_id, blocks, cols)).to(dtype)
+    bf16 = dtype == torch.bfloat16
+    out = torch.empty((blocks.shape[0], cols), dtype=torch.bfloat16 if bf16 else torch.float32)
     with LOCK:
         set_threads()
-        compiled.dequantize_rows(type_id, blocks, out)
-    return torch.from_numpy(out)
+        if bf16:
+            compiled.dequantize_rows_bf16(type_id, blocks, out.view(torch.int16).numpy())
+        else:
+            compiled.dequantize_rows(type_id, blocks, out.numpy())
+    return out.to(dtype)
 
 
 def blocks_product(type_id: int, blocks: np.ndarray, x: torch.Tensor, exact: bool) -> torch.Tensor:
-    """x @ W.T for the matrix W of blocks [rows, row_bytes] and activations x float32 [T, cols]: float32 [T, rows].
-    `exact` (activations of an fp32 model, the reference mode): W's exact weights times x, summed in fp32; else
+    """x @ W.T for the matrix W of blocks [rows, row_bytes] and activations x [T, cols] (fp32, bf16 or fp16), in x's
+    dtype. `exact` (activations of an fp32 model, the reference mode): W's exact weights times x, summed in fp32; else
     (bf16 or fp16 models) CODED_TYPES' products of up to kernel_rows rows code x as int8 (product_bound). Many rows
-    (or no numba) dequantize W and multiply in fp32: the dequantized weights are exact fp32 values, where bf16 would
-    round weights and activations to 8 bits of mantissa (and without AMX is not faster on the CPU)."""
-    if x.dtype != torch.float32 or x.ndim != 2:
-        raise ValueError(f"activations multiplied with GGUF blocks are float32 [T, cols]; got {x.dtype} "
-                              f"{list(x.shape)}. Convert them with .float() first.")
+    (or no numba) dequantize W for one torch product (cpu_linear.many_rows_product): in bf16 where x is bf16 and
+    oneDNN multiplies bf16 (2.4x its fp32 product on an AVX-512 bf16 EPYC), else in fp32 from the exact weights (a
+    bf16 product without AVX-512 is many times slower)."""
+    if not x.is_floating_point() or x.dtype == torch.float64 or x.ndim != 2:
+        raise ValueError(f"activations multiplied with GGUF blocks are float32, bf16 or fp16 [T, cols]; got "
+                         f"{x.dtype} {list(x.shape)}. Convert them with .float() first.")
     cols = x.shape[1]
     check_blocks(type_id, blocks, cols)
     compiled = kernels()
-    if compiled is None or x.shape[0] > kernel_rows(type_id, exact):
-        return x @ dequantize_blocks(type_id, blocks, cols).T
+    if compiled is None or x.shape[0] > kernel_rows(type_id, x, exact):
+        return many_rows_product(x, dequantize_blocks(type_id, blocks, cols, many_rows_weight_dtype(x)))
     out = np.empty((x.shape[0], blocks.shape[0]), dtype=np.float32)
     with LOCK:
         set_threads()
-        numba_product(compiled, type_id, blocks, x.detach().contiguous().numpy(), out, exact)
-    return torch.from_numpy(out)
+        numba_product(compiled, type_id, blocks, x.detach().float().contiguous().numpy(), out, exact)
+    return torch.from_numpy(out).to(x.dtype)
 
 
 def numba_product(gguf_numba: ModuleType, type_id: int, blocks: np.ndarray, x: np.ndarray, out: np.ndarray,
@@ -218,7 +232,7 @@ class BlocksRows:
 
     def takes(self, x: torch.Tensor) -> bool:
         """Whether the kernel computes this product (it is attached to bf16 and fp16 models only: it codes x)."""
-        return x.numel() <= kernel_rows(self.type_id, False) * x.shape[-1] and plain_cpu(x)
+        return x.numel() <= kernel_rows(self.type_id, x, False) * x.shape[-1] and plain_cpu(x)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.detach().reshape(-1, x.shape[-1]).float().contiguous().numpy()

@@ -172,27 +172,48 @@ def decode_block(type_id, row, at, codes, scales, offsets):
         k_block(type_id, row, at, codes, scales, offsets)
 
 
+@njit(cache=True, inline="always")
+def dequantize_row(type_id, row, dst):
+    """dst (float32 [cols]) = the weights of one row's blocks (its bytes). Without fastmath: scale * code + offset
+    rounds as gguf-py's does (no fused multiply-add)."""
+    if type_id == Q4_K or type_id == Q6_K or type_id == Q8_0:  # straight loops, 3-4x faster than decode_block's
+        coded_values(type_id, row, dst)
+        return
+    elems = block_elems(type_id)
+    nbytes = row.shape[0] * elems // dst.shape[0]
+    group = group_size(type_id)
+    codes = np.zeros(elems, dtype=np.float32)
+    scales = np.zeros(elems // group, dtype=np.float32)
+    offsets = np.zeros(elems // group, dtype=np.float32)
+    for b in range(dst.shape[0] // elems):
+        decode_block(type_id, row, b * nbytes, codes, scales, offsets)
+        for g in range(elems // group):
+            first = b * elems + g * group
+            for k in range(group):
+                dst[first + k] = scales[g] * codes[g * group + k] + offsets[g]
+
+
 @njit(cache=True, parallel=True)
 def dequantize_rows(type_id, blocks, out):
-    """out[r] = the weights of row r of blocks (uint8 [rows, row_bytes]), float32 [rows, cols]. Without fastmath:
-    scale * code + offset rounds as gguf-py's does (no fused multiply-add)."""
-    elems = block_elems(type_id)
-    nbytes = blocks.shape[1] * elems // out.shape[1]
-    group = group_size(type_id)
+    """out[r] = the weights of row r of blocks (uint8 [rows, row_bytes]), float32 [rows, cols]."""
     for r in prange(out.shape[0]):
-        if type_id == Q4_K or type_id == Q6_K or type_id == Q8_0:  # straight loops, 3-4x faster than decode_block's
-            coded_values(type_id, blocks[r], out[r])
-            continue
-        codes = np.zeros(elems, dtype=np.float32)
-        scales = np.zeros(elems // group, dtype=np.float32)
-        offsets = np.zeros(elems // group, dtype=np.float32)
-        row = blocks[r]
-        for b in range(out.shape[1] // elems):
-            decode_block(type_id, row, b * nbytes, codes, scales, offsets)
-            for g in range(elems // group):
-                first = b * elems + g * group
-                for k in range(group):
-                    out[r, first + k] = scales[g] * codes[g * group + k] + offsets[g]
+        dequantize_row(type_id, blocks[r], out[r])
+
+
+@njit(cache=True, parallel=True)
+def dequantize_rows_bf16(type_id, blocks, out):
+    """dequantize_rows' weights each rounded to bf16 to the nearest even (as torch rounds fp32 to bf16), into out
+    int16 [rows, cols] (bf16 bit patterns), which torch's bf16 product reads with no conversion of its own. A work
+    item is ROW_BLOCK rows, one fp32 row at a time."""
+    rows, cols = out.shape
+    for item in prange((rows + ROW_BLOCK - 1) // ROW_BLOCK):
+        row = np.empty(cols, np.float32)
+        bits = row.view(np.int32)
+        for r in range(item * ROW_BLOCK, min(rows, (item + 1) * ROW_BLOCK)):
+            dequantize_row(type_id, blocks[r], row)
+            dst = out[r]
+            for k in range(cols):
+                dst[k] = np.int16(cpu_numba.bf16_half(bits[k]) & 0xFFFF)
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)
@@ -480,6 +501,6 @@ def coded_routed_step(types, row_bytes, inter, gate_up, down, x, ids, weights, o
                 out[t, r] = total
 
 
-# the coded kernels compile gguf_vector.py's vector code in (and cpu_numba.py's, which it imports): stamped with their
-# text
-key_cache_on((coded_product, coded_routed_step), gguf_vector.__file__, cpu_numba.__file__)
+# the coded kernels compile gguf_vector.py's vector code in (and cpu_numba.py's, which it imports), and the bf16
+# dequantization cpu_numba.py's rounding: stamped with their text
+key_cache_on((coded_product, coded_routed_step, dequantize_rows_bf16), gguf_vector.__file__, cpu_numba.__file__)
