@@ -45,15 +45,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: a3b_core
 
+from bench.machine import cpu_description  # noqa: E402
 from a3b_core.kernels.gguf_blocks import blocks_product, compiled_kernels, dequantize_blocks, random_blocks  # noqa: E402
 from a3b_core.kernels.gguf_types import BLOCK_TYPES  # noqa: E402
-
-
-def cpu_model() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return "unknown CPU"
 
 
 def timed(run, rounds: int) -> list[float]:
@@ -77,7 +71,7 @@ def main() -> None:
         sys.exit("numba's GGUF kernels are not available here")
     torch.set_num_threads(args.threads)
     numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))
-    print(f"{cpu_model()}, {args.threads} threads, {args.size} x {args.size}, T = 1")
+    print(f"{cpu_description()}, {args.threads} threads, {args.size} x {args.size}, T = 1")
     print(f"{'type':8} {'kernel us':>10} {'GB/s':>6} {'bf16 us':>9} {'GB/s':>6} {'bf16/kernel time':>17}")
     ids = {name: type_id for type_id, (name, _, _) in BLOCK_TYPES.items()}
     generator = np.random.default_rng(0)

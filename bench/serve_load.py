@@ -16,7 +16,6 @@ import asyncio
 import base64
 import json
 import os
-import platform
 import re
 import statistics
 import sys
@@ -29,6 +28,7 @@ sys.path.insert(0, str(HERE.parent))  # the repository root: a3b_core, tests
 
 import aiohttp  # noqa: E402
 
+from bench.machine import cpu_description  # noqa: E402
 from tests.integration.pixel_art_inputs import INPUTS  # noqa: E402
 from tests.served import start_served  # noqa: E402
 
@@ -80,14 +80,6 @@ async def load(url: str, clients: int, requests: int) -> tuple[float, list[float
         return time.perf_counter() - started, ttfts
 
 
-def cpu_name() -> str:
-    try:
-        found = re.search(r"model name\s*:\s*(.+)", Path("/proc/cpuinfo").read_text())
-    except OSError:
-        found = None
-    return (found.group(1).strip() if found else platform.processor()) or "unknown CPU"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=64, help="requests per run (default: 64)")
@@ -105,7 +97,7 @@ def main() -> None:
                     results[mode, clients] = seconds, ttfts, batches
             finally:
                 served.stop()
-    print(f"python bench/serve_load.py --requests {args.requests}: a3b-demo on {cpu_name()}, {os.cpu_count()} "
+    print(f"python bench/serve_load.py --requests {args.requests}: a3b-demo on {cpu_description()}, {os.cpu_count()} "
           "cores; each request: one 384x384 image + 'Describe the image.', greedy, streamed, ~15 tokens")
     print("| clients | batched req/s | one at a time req/s | ratio | TTFT median batched | TTFT median one at a "
           "time | mean batch (batched) |")

@@ -46,6 +46,7 @@ sys.path.insert(0, str(HERE.parent))  # the repository root: bench.*, a3b_core
 
 from bench import llama  # noqa: E402
 from bench.bench_model import FAMILIES, bench_dir, checkpoint_folder, text_config  # noqa: E402
+from bench.machine import cpu_description  # noqa: E402
 from bench.roofline import gguf_bytes_per_token  # noqa: E402
 
 DEMO_MODEL = HERE.parent / "a3b_core" / "demo" / "a3b-demo" / "config.json"
@@ -357,7 +358,7 @@ def main() -> None:
     model_dir = checkpoint_folder(args.small)
     if args.rounds < 3:
         print("[bench] note: fewer than 3 rounds; the medians are not the reported kind")
-    heading = f"model {model_dir.name}, engine {engine_version()} at the start"
+    heading = f"model {model_dir.name}, engine {engine_version()} at the start, {cpu_description()}"
     systems = build_systems(args, model_dir)
     out = bench_dir() / f"speed-{time.strftime('%Y%m%d-%H%M%S')}.json"
     bandwidths: list[float] = []
