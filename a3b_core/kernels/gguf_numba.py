@@ -398,20 +398,22 @@ def coded_values(type_id, row, dst):
                     byte = row[at + 16 + 32 * c + k]
                     dst[first + k] = scale_low * np.float32(byte & np.uint8(15)) - offset_low
                     dst[first + 32 + k] = scale_high * np.float32(byte >> np.uint8(4)) - offset_high
-    else:  # Q6_K
+    else:  # Q6_K: per half of 128 weights, byte k of ql, byte 32 + k and byte k of qh make weights k + 32s, s < 4
         for b in range(dst.shape[0] // 256):
             at = 210 * b
             d = half_at(row, at + 208)
             for h in range(2):
-                for s in range(4):
-                    low_at, shift = at + 64 * h + 32 * (s & 1), np.uint8(4 * (s >> 1))
-                    high_at, high_shift = at + 128 + 32 * h, np.uint8(2 * s)
-                    first = 256 * b + 128 * h + 32 * s
-                    scales = at + 192 + 8 * h + 2 * s
-                    for half in range(2):
-                        scale = d * np.float32(np.int8(row[scales + half]))
-                        for k in range(16 * half, 16 * half + 16):
-                            dst[first + k] = scale * np.float32(q6_code(row, low_at, shift, high_at, high_shift, k))
+                ql, qh, first = at + 64 * h, at + 128 + 32 * h, 256 * b + 128 * h
+                for half in range(2):  # inputs 16 * half ..: one scale per run of 16 (constant shifts: vectorized)
+                    scales = at + 192 + 8 * h + half
+                    s0, s1 = d * np.float32(np.int8(row[scales])), d * np.float32(np.int8(row[scales + 2]))
+                    s2, s3 = d * np.float32(np.int8(row[scales + 4])), d * np.float32(np.int8(row[scales + 6]))
+                    for k in range(16 * half, 16 * half + 16):
+                        low, high, bits = np.int32(row[ql + k]), np.int32(row[ql + 32 + k]), np.int32(row[qh + k])
+                        dst[first + k] = s0 * np.float32(((low & 15) | ((bits & 3) << 4)) - 32)
+                        dst[first + 32 + k] = s1 * np.float32(((high & 15) | (((bits >> 2) & 3) << 4)) - 32)
+                        dst[first + 64 + k] = s2 * np.float32(((low >> 4) | (((bits >> 4) & 3) << 4)) - 32)
+                        dst[first + 96 + k] = s3 * np.float32(((high >> 4) | ((bits >> 6) << 4)) - 32)
 
 
 @njit(cache=True, fastmath=FAST, inline="always")
