@@ -28,6 +28,13 @@ class GgufBlocks:
             raise ValueError(f"the parts' rows {[rows for _, rows in parts]} do not add up to {shape[1]}")
         self.shape, self.parts = shape, parts
         self.part_bytes = [block_type.row_bytes(shape[2]) * rows for block_type, rows in parts]
+        # adjacent parts of one type (Q4_K_M's gate and up halves) are one run of rows: one product, no concatenation
+        self.runs: list[tuple[BlockType, int]] = []  # (block type, bytes)
+        for (block_type, _), nbytes in zip(parts, self.part_bytes):
+            if self.runs and self.runs[-1][0] == block_type:
+                self.runs[-1] = (block_type, self.runs[-1][1] + nbytes)
+            else:
+                self.runs.append((block_type, nbytes))
 
     def empty(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         return (torch.empty(self.shape[0], sum(self.part_bytes), dtype=torch.uint8, device=device),
@@ -45,19 +52,19 @@ class GgufBlocks:
         torch.cat([b.reshape(-1) for _, b in parts], out=q[e])
 
     def _blocks(self, q: torch.Tensor, e: int) -> list[tuple[BlockType, np.ndarray]]:
+        """Matrix e's runs of rows (uint8 [rows, bytes per row]) with their block type, top to bottom."""
         flat, out, first = q[e].numpy(), [], 0
-        for (block_type, rows), nbytes in zip(self.parts, self.part_bytes):
-            out.append((block_type, flat[first:first + nbytes].reshape(rows, -1)))
+        for block_type, nbytes in self.runs:
+            out.append((block_type, flat[first:first + nbytes].reshape(-1, block_type.row_bytes(self.shape[2]))))
             first += nbytes
         return out
 
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, e: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.cat([dequantize_blocks(t.type_id, blocks, self.shape[2], dtype)
-                          for t, blocks in self._blocks(q, e)])
+        return joined([dequantize_blocks(t.type_id, blocks, self.shape[2], dtype) for t, blocks in self._blocks(q, e)])
 
     def cpu_product(self, q: torch.Tensor, scale: torch.Tensor, e: int, x: torch.Tensor) -> torch.Tensor:
         rows, exact = x.reshape(-1, x.shape[-1]), x.dtype == torch.float32
-        out = torch.cat([blocks_product(t.type_id, blocks, rows, exact) for t, blocks in self._blocks(q, e)], dim=-1)
+        out = joined([blocks_product(t.type_id, blocks, rows, exact) for t, blocks in self._blocks(q, e)], dim=-1)
         return out.reshape(*x.shape[:-1], -1)
 
     def rows_kernel(self, fmt: str, q: torch.Tensor, input_order: torch.Tensor | None,
@@ -100,6 +107,11 @@ class GgufBlocks:
     @staticmethod
     def stored_bytes(numel: int, stored: BlockType) -> int:
         return stored.stored_bytes(numel)
+
+
+def joined(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """torch.cat of the tensors, or the one tensor itself (no copy)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
 
 
 def q8_0_blocks(w: torch.Tensor) -> tuple[BlockType, torch.Tensor]:
