@@ -76,8 +76,11 @@ function onLiveText(event) {
   const node = app.graph?.getNodeById(nodeId);
   const panel = { A3BGenerate: ["a3b_answer", 8], A3BCaptionFolder: ["a3b_saved", 4] }[node?.comfyClass];
   if (!panel) return;
-  // Run after every other listener, so a native text preview (if this frontend has one) exists by then.
+  // Run after every other listener, so a native text preview (if this frontend has one) exists by then; the node's
+  // results may arrive in that time (the last live text comes right before them), and then they stay.
+  const results = node.a3bResults ?? 0;
   setTimeout(() => {
+    if ((node.a3bResults ?? 0) !== results) return;
     if (!node.widgets?.some((w) => w.name === NATIVE_TEXT_PREVIEW)) showText(node, panel[0], text, panel[1]);
   }, 0);
 }
@@ -103,6 +106,7 @@ app.registerExtension({
     const onExecuted = nodeType.prototype.onExecuted;
     nodeType.prototype.onExecuted = function (message) {
       onExecuted?.apply(this, arguments);
+      this.a3bResults = (this.a3bResults ?? 0) + 1; // results shown so far: a pending live text must not cover them
       if (message?.a3b_answer) showAnswer(this, message.a3b_answer.join("\n\n"));
       if (message?.a3b_speed) showLine(this, "a3b_speed", message.a3b_speed.join(" "));
       if (message?.a3b_saved) showText(this, "a3b_saved", message.a3b_saved.join("\n"), 4);
