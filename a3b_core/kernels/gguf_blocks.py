@@ -23,8 +23,8 @@ included; the other types, decoded to fp32 and multiplied in fp32, 3.9-6.8 ms (0
 the fp32 matrix in 1.2-2.7 ms (Q4_K, Q6_K, Q8_0) to 4 ms (the others). On an AMD EPYC with AVX-512 (bf16, VNNI),
 the same: bf16 0.23 ms (36 GB/s), Q4_K 0.10 ms (24 GB/s), Q6_K 0.10 ms (33 GB/s), Q8_0 0.10-0.13 ms (33-45 GB/s),
 with the kernels' AVX2 instructions (pairing two runs of 32 inputs in 512-bit ones measured slower there: Q6_K 0.16
-against 0.10 ms, Q4_K 0.11 against 0.10). dequantize_rows_bf16 makes a 4096 x 2048 bf16 matrix in 0.9 ms (Q4_K), 1.1 ms (Q6_K), 2.2 ms
-(Q8_0).
+against 0.10 ms, Q4_K 0.11 against 0.10). dequantize_rows_bf16 makes a 4096 x 2048 bf16 matrix in 0.9 ms (Q4_K),
+1.1 ms (Q6_K), 2.2 ms (Q8_0).
 """
 from __future__ import annotations
 

@@ -207,13 +207,10 @@ def dequantize_rows_bf16(type_id, blocks, out):
     item is ROW_BLOCK rows, one fp32 row at a time."""
     rows, cols = out.shape
     for item in prange((rows + ROW_BLOCK - 1) // ROW_BLOCK):
-        row = np.empty(cols, np.float32)
-        bits = row.view(np.int32)
+        row = np.empty((1, cols), np.float32)
         for r in range(item * ROW_BLOCK, min(rows, (item + 1) * ROW_BLOCK)):
-            dequantize_row(type_id, blocks[r], row)
-            dst = out[r]
-            for k in range(cols):
-                dst[k] = np.int16(cpu_numba.bf16_half(bits[k]) & 0xFFFF)
+            dequantize_row(type_id, blocks[r], row[0])
+            cpu_numba.bf16_bits(row, out[r:r + 1])
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)
