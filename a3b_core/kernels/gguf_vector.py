@@ -73,28 +73,36 @@ def run_scales(builder: ir.IRBuilder, type_id: int, load) -> list[ir.Value]:
     if type_id == Q6_K:
         scales = builder.sext(load(192, 16), words)
         return [spread(scales, [2 * k] * 8 + [2 * k + 1] * 8) for k in range(8)]
-    scales = builder.zext(q4_k_sixes(builder, load)[0], ir.VectorType(i16, 8))
-    return [spread(scales, [g] * 16) for g in range(8)]
+    # the 8 scales as words in both 128-bit halves, each group's then spread by one in-half byte shuffle (vpshufb)
+    i8x32 = ir.VectorType(ir.IntType(8), 32)
+    twice = builder.bitcast(spread(builder.zext(q4_k_sixes(builder, load)[0], ir.VectorType(i16, 8)),
+                                   list(range(8)) * 2), i8x32)
+    shuffle = builder.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", fnty=ir.FunctionType(i8x32, [i8x32, i8x32]))
+    return [builder.bitcast(builder.call(shuffle, [twice, ir.Constant(i8x32, [2 * g, 2 * g + 1] * 16)]), words)
+            for g in range(8)]
 
 
 def q4_k_sixes(builder: ir.IRBuilder, load) -> tuple[ir.Value, ir.Value]:
     """A Q4_K block's eight 6-bit scales and eight 6-bit minimums as <8 x i8>: groups 0-3 in the low bits of bytes 0-3
     (scales) and 4-7 (minimums) of its 12 scale bytes, groups 4-7 in the nibbles of bytes 8-11 with their top two bits
-    from the top of bytes 0-7."""
-    i8x4, i32 = ir.VectorType(ir.IntType(8), 4), ir.IntType(32)
-    first, second, third = load(4, 4), load(8, 4), load(12, 4)
+    from the top of bytes 0-7. Unpacked four at a time in 32-bit scalar registers, which leaves the vector units to the
+    products."""
+    i32, i64 = ir.IntType(32), ir.IntType(64)
+    first, second, third = (builder.bitcast(load(offset, 4), i32) for offset in (4, 8, 12))
 
-    def const(value: int) -> ir.Constant:
-        return ir.Constant(i8x4, [value] * 4)
+    def const(byte: int) -> ir.Constant:
+        return i32(byte * 0x01010101)
 
     def join(low: ir.Value, high: ir.Value) -> ir.Value:
-        return builder.shuffle_vector(low, high, ir.Constant(ir.VectorType(i32, 8), list(range(8))))
+        wide = builder.or_(builder.zext(low, i64), builder.shl(builder.zext(high, i64), i64(32)))
+        return builder.bitcast(wide, ir.VectorType(ir.IntType(8), 8))
 
     def top_bits(x: ir.Value) -> ir.Value:
-        return builder.and_(builder.lshr(x, const(2)), const(48))
+        return builder.and_(builder.lshr(x, i32(2)), const(48))
 
     return (join(builder.and_(first, const(63)), builder.or_(builder.and_(third, const(15)), top_bits(first))),
-            join(builder.and_(second, const(63)), builder.or_(builder.lshr(third, const(4)), top_bits(second))))
+            join(builder.and_(second, const(63)),
+                 builder.or_(builder.and_(builder.lshr(third, i32(4)), const(15)), top_bits(second))))
 
 
 def q4_k_rest(builder: ir.IRBuilder, load, d: ir.Value, dmin: ir.Value, sums: ir.Value,
