@@ -19,7 +19,7 @@ from numba import njit, prange
 
 from . import cpu_numba, gguf_vector
 from .numba_threads import key_cache_on
-from .gguf_vector import VECTOR_TYPES, q4_k_vector_row, q6_k_vector_row, q8_0_vector_row
+from .gguf_vector import EXTRA_ROWS, VECTOR_TYPES, q4_k_vector_row, q6_k_vector_row, q8_0_vector_row
 from .gguf_types import IQ4_NL, Q2_K, Q3_K, Q4_0, Q4_1, Q4_K, Q5_1, Q5_K, Q6_K, Q8_0
 
 FAST = {"reassoc", "contract"}  # sums may be reordered (vectorized); no assumption that values are finite
@@ -268,13 +268,14 @@ CODED_TYPES = (Q4_K, Q6_K, Q8_0)
 @njit(cache=True, fastmath=FAST)
 def coded_bytes(x):
     """Each group of 32 inputs of each row of x [T, in] as int8 codes, x ~ code * step, the step the group's largest
-    |x| / 127, as (extra [T, 3, in / 32], codes [T, in]) (llama.cpp codes them per 32 for Q8_0 rows, per 256 for the
-    K types: per 32, an outlier costs its own group's precision only). extra holds, per group, the step, the sum of x,
-    and 7.5 times the codes' rounding error summed over the group: a Q4_K group is scale * (step * sum(nibble * code)
-    + that correction) - minimum * sum(x), so the rounding errors are weighted by the nibbles less their mean (as
-    cpu_numba.coded_groups' int16 codes). Each input is off by at most 1/254 of its group's largest |x|. A group
-    holding an inf or a NaN gets a NaN step and codes 0: the rows' results are NaN."""
-    extra = np.zeros((x.shape[0], 3, x.shape[1] // 32), np.float32)
+    |x| / 127, as (extra [T, EXTRA_ROWS, in / 32], codes [T, in]) (llama.cpp codes them per 32 for Q8_0 rows, per 256
+    for the K types: per 32, an outlier costs its own group's precision only). extra holds, per group, the step, the
+    sum of x, 7.5 times the codes' rounding error summed over the group, and the sums of its first and of its second 16
+    codes. A Q4_K group is scale * (step * sum(nibble * code) + that correction) - minimum * sum(x), so the rounding
+    errors are weighted by the nibbles less their mean (as cpu_numba.coded_groups' int16 codes); a Q6_K group of 16
+    with codes q - 32 is scale * step * (sum(q * code) - 32 * sum(code)). Each input is off by at most 1/254 of its
+    group's largest |x|. A group holding an inf or a NaN gets a NaN step and codes 0: the rows' results are NaN."""
+    extra = np.zeros((x.shape[0], EXTRA_ROWS, x.shape[1] // 32), np.float32)
     codes = np.zeros(x.shape, np.int8)
     for t in range(x.shape[0]):
         for g in range(x.shape[1] // 32):
@@ -291,6 +292,7 @@ def coded_bytes(x):
                 for k in range(32 * g, 32 * g + 32):
                     codes[t, k] = np.int8(np.rint(x[t, k] * inverse))
                     coded += np.float32(codes[t, k]) * step
+                    extra[t, 3 + (k - 32 * g) // 16, g] += np.float32(codes[t, k])
             extra[t, 0, g], extra[t, 1, g], extra[t, 2, g] = step, total, np.float32(7.5) * (total - coded)
     return extra, codes
 
@@ -415,8 +417,8 @@ def coded_values(type_id, row, dst):
 
 @njit(cache=True, fastmath=FAST, inline="always")
 def loop_coded_dot(type_id, row, codes, extra):
-    """A CODED_TYPES row (its bytes) dotted with one row of coded activations (coded_bytes: extra [3, inputs / 32]), in
-    loops LLVM vectorizes."""
+    """A CODED_TYPES row (its bytes) dotted with one row of coded activations (coded_bytes: extra [EXTRA_ROWS,
+    inputs / 32]), in loops LLVM vectorizes."""
     per_row = codes.shape[0] // block_elems(type_id)
     if type_id == Q4_K:
         return q4_k_dot(row, codes, extra, per_row)
@@ -430,10 +432,10 @@ def vector_coded_dot(type_id, row, codes, extra):
     """loop_coded_dot in gguf_vector.py's vector code."""
     per_row = codes.shape[0] // block_elems(type_id)
     if type_id == Q4_K:
-        return q4_k_vector_row(row, codes, extra[0], extra[1], extra[2], per_row)
+        return q4_k_vector_row(row, codes, extra.ravel(), per_row)
     if type_id == Q6_K:
-        return q6_k_vector_row(row, codes, extra[0], extra[1], extra[2], per_row)
-    return q8_0_vector_row(row, codes, extra[0], extra[1], extra[2], per_row)
+        return q6_k_vector_row(row, codes, extra.ravel(), per_row)
+    return q8_0_vector_row(row, codes, extra.ravel(), per_row)
 
 
 coded_dot = vector_coded_dot if VECTOR_TYPES else loop_coded_dot

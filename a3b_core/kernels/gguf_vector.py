@@ -11,10 +11,11 @@ A block's weight codes are made in vectors from its bytes, 32 at a time:
 - Q4_K (144 bytes, 256 weights): each run of 32 bytes holds 64 weights, the low nibbles the first 32, the high ones
   the next 32; 6-bit scales per 32 (the group's minimum is not in the codes: its 8 groups' minimums times their
   activations' sums, and their rounding corrections, go to fp32 lanes of their own).
-- Q6_K (210 bytes, 256 weights): each weight's low 4 bits from a nibble of `ql`, its high 2 bits from 2 bits of `qh`,
-  less 32 (signed, as Q8_0's); int8 scales per 16.
+- Q6_K (210 bytes, 256 weights): each weight's low 4 bits from a nibble of `ql`, its high 2 bits from 2 bits of `qh`
+  (unsigned, 0-63); int8 scales per 16. The codes' offset of 32 is not in the products: 32 times each group's scale
+  times its activations' sum of codes goes to the block's lanes once a block (as llama.cpp's bsums).
 The integers cannot overflow: a run's lane sums 4 products of a code (at most 127) and a weight code times its scale
-(at most 15 * 63 for Q4_K, 32 * 128 for Q6_K, 128 for Q8_0), and pmaddubsw's pairs stay within int16.
+(at most 15 * 63 for Q4_K, 63 * 128 for Q6_K, 128 for Q8_0), and pmaddubsw's pairs stay within int16.
 """
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from numba.extending import intrinsic
 from .cpu_numba import FAST_FLAGS, PMADD_LANES, check_row_arguments, host_features, lanes_sum, splat
 from .gguf_types import Q4_K, Q6_K, Q8_0
 
+EXTRA_ROWS = 5  # gguf_numba.coded_bytes' values per 32 inputs: step, sum, correction, first 16 codes' sum, second's
+
 # pmaddubsw and pmaddwd of AVX2 (AVX-512 has AVX2's), fp16 scales by F16C's vcvtph2ps
 VECTOR_TYPES = (Q4_K, Q6_K, Q8_0) if PMADD_LANES and "+f16c" in host_features() else ()
 BLOCK_BYTES = {Q8_0: 34, Q4_K: 144, Q6_K: 210}
@@ -35,7 +38,8 @@ SCALE_AT = {Q8_0: 0, Q4_K: 0, Q6_K: 208}  # where a block's fp16 scale d is (Q4_
 
 def block_runs(builder: ir.IRBuilder, type_id: int, load) -> list[tuple[ir.Value, bool]]:
     """A block's weight codes as <32 x i8> vectors in input order (32 inputs each), each with whether it is signed
-    (Q6_K, Q8_0) or not (Q4_K's nibbles); load(offset) is the block's 32 bytes from offset, <32 x i8>."""
+    (Q8_0) or not (Q4_K's nibbles, Q6_K's codes before their offset of 32); load(offset) is the block's 32 bytes from
+    offset, <32 x i8>."""
     i8x32 = ir.VectorType(ir.IntType(8), 32)
 
     def splat(value: int) -> ir.Constant:
@@ -55,31 +59,34 @@ def block_runs(builder: ir.IRBuilder, type_id: int, load) -> list[tuple[ir.Value
         for s in range(4):  # weights 128h + 32s ..
             low = builder.and_(builder.lshr(load(64 * h + 32 * (s & 1)), splat(4 * (s >> 1))), splat(15))
             high = builder.and_(builder.lshr(high_bits, splat(2 * s)), splat(3))
-            out.append((builder.sub(builder.or_(low, builder.shl(high, splat(4))), splat(32)), True))
+            out.append((builder.or_(low, builder.shl(high, splat(4))), False))
     return out
 
 
 def run_scales(builder: ir.IRBuilder, type_id: int, load) -> list[ir.Value]:
     """Each run's integer weight scales as <16 x i16>, pmaddwd's second operand: Q4_K's group scale in all lanes,
-    Q6_K's two groups' scales in lanes 0-7 and 8-15 (pmaddubsw's sums of the first and second 16 inputs), Q8_0's 1."""
+    Q6_K's two groups' scales in lanes 0-7 and 8-15 (pmaddubsw's sums of the first and second 16 inputs), Q8_0's 1.
+    Eight scales are widened to words once, into both 128-bit halves, and each run's picked by one in-half byte
+    shuffle (vpshufb): LLVM's own spreading of shuffled words takes two vector instructions a run."""
     i16, i32 = ir.IntType(16), ir.IntType(32)
-    words = ir.VectorType(i16, 16)
+    words, eight_words, i8x32 = ir.VectorType(i16, 16), ir.VectorType(i16, 8), ir.VectorType(ir.IntType(8), 32)
     if type_id == Q8_0:
         return [ir.Constant(words, [1] * 16)]
-
-    def spread(vector: ir.Value, lanes: list[int]) -> ir.Value:
-        return builder.shuffle_vector(vector, ir.Constant(vector.type, None), ir.Constant(ir.VectorType(i32, 16), lanes))
-
-    if type_id == Q6_K:
-        scales = builder.sext(load(192, 16), words)
-        return [spread(scales, [2 * k] * 8 + [2 * k + 1] * 8) for k in range(8)]
-    # the 8 scales as words in both 128-bit halves, each group's then spread by one in-half byte shuffle (vpshufb)
-    i8x32 = ir.VectorType(ir.IntType(8), 32)
-    twice = builder.bitcast(spread(builder.zext(q4_k_sixes(builder, load)[0], ir.VectorType(i16, 8)),
-                                   list(range(8)) * 2), i8x32)
     shuffle = builder.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", fnty=ir.FunctionType(i8x32, [i8x32, i8x32]))
-    return [builder.bitcast(builder.call(shuffle, [twice, ir.Constant(i8x32, [2 * g, 2 * g + 1] * 16)]), words)
-            for g in range(8)]
+
+    def doubled(eight: ir.Value) -> ir.Value:  # <8 x i16> as <32 x i8>, in both halves
+        return builder.bitcast(builder.shuffle_vector(eight, ir.Constant(eight_words, None),
+                                                      ir.Constant(ir.VectorType(i32, 16), list(range(8)) * 2)), i8x32)
+
+    def pick(scales: ir.Value, low: int, high: int) -> ir.Value:  # word `low` in lanes 0-7, word `high` in 8-15
+        mask = [2 * low, 2 * low + 1] * 8 + [2 * high, 2 * high + 1] * 8
+        return builder.bitcast(builder.call(shuffle, [scales, ir.Constant(i8x32, mask)]), words)
+
+    if type_id == Q6_K:  # run 4h + s: the scales 2s and 2s + 1 of the 8 at 192 + 8h
+        halves = [doubled(builder.sext(load(192 + 8 * h, 8), eight_words)) for h in range(2)]
+        return [pick(halves[k // 4], 2 * (k % 4), 2 * (k % 4) + 1) for k in range(8)]
+    scales = doubled(builder.zext(q4_k_sixes(builder, load)[0], eight_words))
+    return [pick(scales, g, g) for g in range(8)]
 
 
 def q4_k_sixes(builder: ir.IRBuilder, load) -> tuple[ir.Value, ir.Value]:
@@ -105,6 +112,11 @@ def q4_k_sixes(builder: ir.IRBuilder, load) -> tuple[ir.Value, ir.Value]:
                  builder.or_(builder.and_(builder.lshr(third, i32(4)), const(15)), top_bits(second))))
 
 
+def eight_floats(builder: ir.IRBuilder, pointer: ir.Value) -> ir.Value:
+    """LLVM code: the 8 floats from a float pointer, as <8 x float>."""
+    return builder.load(builder.bitcast(pointer, ir.VectorType(ir.FloatType(), 8).as_pointer()), align=4)
+
+
 def q4_k_rest(builder: ir.IRBuilder, load, d: ir.Value, dmin: ir.Value, sums: ir.Value,
               corrections: ir.Value) -> ir.Value:
     """A Q4_K block's part outside its codes' products, as <8 x float> lanes to be summed: each group's scale times its
@@ -112,26 +124,42 @@ def q4_k_rest(builder: ir.IRBuilder, load, d: ir.Value, dmin: ir.Value, sums: ir
     group's)."""
     floats = ir.VectorType(ir.FloatType(), 8)
 
-    def run(pointer: ir.Value) -> ir.Value:  # 8 floats from pointer
-        return builder.load(builder.bitcast(pointer, floats.as_pointer()), align=4)
-
     scale, minimum = (builder.uitofp(builder.zext(six, ir.VectorType(ir.IntType(32), 8)), floats)
                       for six in q4_k_sixes(builder, load))
-    return builder.fsub(builder.fmul(builder.fmul(scale, splat(builder, d), flags=FAST_FLAGS), run(corrections),
+    return builder.fsub(builder.fmul(builder.fmul(scale, splat(builder, d), flags=FAST_FLAGS), eight_floats(builder, corrections),
                                      flags=FAST_FLAGS),
-                        builder.fmul(builder.fmul(minimum, splat(builder, dmin), flags=FAST_FLAGS), run(sums),
+                        builder.fmul(builder.fmul(minimum, splat(builder, dmin), flags=FAST_FLAGS), eight_floats(builder, sums),
                                      flags=FAST_FLAGS), flags=FAST_FLAGS)
+
+
+def q6_k_code_sums(builder: ir.IRBuilder, load, steps: ir.Value, firsts: ir.Value, seconds: ir.Value) -> ir.Value:
+    """A Q6_K block's runs' sums of scale * activation code, times the run's step, as <8 x float> lanes (one a run):
+    its 16 int8 scales (the even ones a run's first 16 inputs', the odd ones its second's) against the activations'
+    sums of 16 codes (float pointers to the block's first run's)."""
+    i32, floats = ir.IntType(32), ir.VectorType(ir.FloatType(), 8)
+    scales = load(192, 16)
+
+    def every_other(first: int) -> ir.Value:  # the scales first, first + 2, .., as floats
+        picked = builder.shuffle_vector(scales, ir.Constant(scales.type, None),
+                                        ir.Constant(ir.VectorType(i32, 8), list(range(first, 16, 2))))
+        return builder.sitofp(builder.sext(picked, ir.VectorType(i32, 8)), floats)
+
+    sums = builder.fadd(builder.fmul(every_other(0), eight_floats(builder, firsts), flags=FAST_FLAGS),
+                        builder.fmul(every_other(1), eight_floats(builder, seconds), flags=FAST_FLAGS), flags=FAST_FLAGS)
+    return builder.fmul(sums, eight_floats(builder, steps), flags=FAST_FLAGS)
 
 
 def coded_row_codegen(type_id: int):
     """The LLVM code of a row's dot (see the module docstring): arguments row (uint8, its bytes), codes (int8, the
-    row's inputs), steps, sums and corrections (float32, per 32 inputs: gguf_numba.coded_bytes' extra) and the block
-    count; an fp32 result."""
+    row's inputs), extra (float32, gguf_numba.coded_bytes' EXTRA_ROWS rows of one value per 32 inputs, one after the
+    other) and the block count; an fp32 result."""
     def codegen(context, builder, signature, args):
-        row, codes, steps, sums, corrections = (
-            context.make_array(signature.args[k])(context, builder, args[k]).data for k in range(5))
-        blocks = context.cast(builder, args[5], signature.args[5], types.intp)
+        row, codes, extra = (context.make_array(signature.args[k])(context, builder, args[k]).data for k in range(3))
+        blocks = context.cast(builder, args[3], signature.args[3], types.intp)
         intp = context.get_value_type(types.intp)
+        groups = builder.mul(blocks, intp(BLOCK_INPUTS[type_id] // 32))
+        steps, sums, corrections, firsts, seconds = (builder.gep(extra, [builder.mul(intp(k), groups)])
+                                                     for k in range(EXTRA_ROWS))
         i8, i16, i32, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.FloatType()
         runs, words, pairs, floats = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8), \
             ir.VectorType(f32, 8)
@@ -142,7 +170,6 @@ def coded_row_codegen(type_id: int):
         magnitude = declare("llvm.abs.v32i8", fnty=ir.FunctionType(runs, [runs, ir.IntType(1)]))
         row, codes = builder.bitcast(row, i8.as_pointer()), builder.bitcast(codes, i8.as_pointer())
         acc = cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * 8))
-        rest_acc = cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * 8))
 
         with cgutils.for_range(builder, blocks) as loop:
             b = loop.index
@@ -159,10 +186,16 @@ def coded_row_codegen(type_id: int):
             first_code = builder.gep(codes, [builder.mul(b, intp(BLOCK_INPUTS[type_id]))])
             first_group = builder.mul(b, intp(BLOCK_INPUTS[type_id] // 32))
             d = half(SCALE_AT[type_id])
+            total = builder.load(acc)
             if type_id == Q4_K:
-                rest = q4_k_rest(builder, load, d, half(2), *(builder.gep(p, [first_group]) for p in (sums, corrections)))
-                builder.store(builder.fadd(builder.load(rest_acc), rest, flags=FAST_FLAGS), rest_acc)
+                total = builder.fadd(total, q4_k_rest(builder, load, d, half(2),
+                                                      *(builder.gep(p, [first_group]) for p in (sums, corrections))),
+                                     flags=FAST_FLAGS)
             block = ir.Constant(floats, [0.0] * 8)  # the block's sum, less its scale d
+            if type_id == Q6_K:  # its codes' offset of 32, through the activations' sums of 16 codes
+                block = builder.fmul(q6_k_code_sums(builder, load, *(builder.gep(p, [first_group])
+                                                                     for p in (steps, firsts, seconds))),
+                                     ir.Constant(floats, [-32.0] * 8), flags=FAST_FLAGS)
             for k, ((weights, signed), scale) in enumerate(zip(block_runs(builder, type_id, load),
                                                                run_scales(builder, type_id, load))):
                 code_pointer = builder.bitcast(builder.gep(first_code, [intp(32 * k)]), runs.as_pointer())
@@ -174,18 +207,17 @@ def coded_row_codegen(type_id: int):
                 step = splat(builder, builder.load(builder.gep(steps, [builder.add(first_group, intp(k))])))
                 block = builder.fadd(block, builder.fmul(builder.sitofp(dot, floats), step, flags=FAST_FLAGS),
                                      flags=FAST_FLAGS)
-            builder.store(builder.fadd(builder.load(acc), builder.fmul(block, splat(builder, d), flags=FAST_FLAGS),
+            builder.store(builder.fadd(total, builder.fmul(block, splat(builder, d), flags=FAST_FLAGS),
                                        flags=FAST_FLAGS), acc)
-        return builder.fadd(lanes_sum(builder, builder.load(acc)), lanes_sum(builder, builder.load(rest_acc)),
-                            flags=FAST_FLAGS)
+        return lanes_sum(builder, builder.load(acc))
     return codegen
 
 
 def row_intrinsic(type_id: int):
-    def typer(typingctx, row, codes, steps, sums, corrections, blocks):
-        check_row_arguments("a GGUF row's vector dot", (row, codes, steps, sums, corrections),
-                            (types.uint8, types.int8, *[types.float32] * 3), blocks)
-        return types.float32(row, codes, steps, sums, corrections, blocks), coded_row_codegen(type_id)
+    def typer(typingctx, row, codes, extra, blocks):
+        check_row_arguments("a GGUF row's vector dot", (row, codes, extra), (types.uint8, types.int8, types.float32),
+                            blocks)
+        return types.float32(row, codes, extra, blocks), coded_row_codegen(type_id)
     typer.__name__ = f"vector_row_{type_id}"
     return intrinsic(typer)
 
