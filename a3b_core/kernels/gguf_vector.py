@@ -31,6 +31,9 @@ EXTRA_ROWS = 5  # gguf_numba.coded_bytes' values per 32 inputs: step, sum, corre
 
 # pmaddubsw and pmaddwd of AVX2 (AVX-512 has AVX2's), fp16 scales by F16C's vcvtph2ps
 VECTOR_TYPES = (Q4_K, Q6_K, Q8_0) if PMADD_LANES and "+f16c" in host_features() else ()
+# VNNI's vpdpbusd (AVX-VNNI, or AVX-512 VNNI on 256-bit vectors) sums 4 products of bytes into int32 lanes in one
+# instruction: Q8_0's pmaddubsw and pmaddwd by 1 in one
+VNNI = "+avxvnni" in host_features() or {"+avx512vnni", "+avx512vl"} <= host_features()
 BLOCK_BYTES = {Q8_0: 34, Q4_K: 144, Q6_K: 210}
 BLOCK_INPUTS = {Q8_0: 32, Q4_K: 256, Q6_K: 256}
 SCALE_AT = {Q8_0: 0, Q4_K: 0, Q6_K: 208}  # where a block's fp16 scale d is (Q4_K's dmin follows it)
@@ -168,11 +171,11 @@ def coded_row_codegen(type_id: int):
         pmadd = declare("llvm.x86.avx2.pmadd.wd", fnty=ir.FunctionType(pairs, [words, words]))
         sign = declare("llvm.x86.avx2.psign.b", fnty=ir.FunctionType(runs, [runs, runs]))
         magnitude = declare("llvm.abs.v32i8", fnty=ir.FunctionType(runs, [runs, ir.IntType(1)]))
+        byte_dots = declare("llvm.x86.avx512.vpdpbusd.256", fnty=ir.FunctionType(pairs, [pairs] * 3))
         row, codes = builder.bitcast(row, i8.as_pointer()), builder.bitcast(codes, i8.as_pointer())
-        acc = cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * 8))
+        zero = ir.Constant(floats, [0.0] * 8)
 
-        with cgutils.for_range(builder, blocks) as loop:
-            b = loop.index
+        def block_lanes(b: ir.Value) -> ir.Value:  # block b's part of the row's dot, as 8 lanes to be summed
             at = builder.gep(row, [builder.mul(b, intp(BLOCK_BYTES[type_id]))])
 
             def load(offset: int, n: int = 32) -> ir.Value:
@@ -186,12 +189,7 @@ def coded_row_codegen(type_id: int):
             first_code = builder.gep(codes, [builder.mul(b, intp(BLOCK_INPUTS[type_id]))])
             first_group = builder.mul(b, intp(BLOCK_INPUTS[type_id] // 32))
             d = half(SCALE_AT[type_id])
-            total = builder.load(acc)
-            if type_id == Q4_K:
-                total = builder.fadd(total, q4_k_rest(builder, load, d, half(2),
-                                                      *(builder.gep(p, [first_group]) for p in (sums, corrections))),
-                                     flags=FAST_FLAGS)
-            block = ir.Constant(floats, [0.0] * 8)  # the block's sum, less its scale d
+            block = zero  # the block's sum, less its scale d
             if type_id == Q6_K:  # its codes' offset of 32, through the activations' sums of 16 codes
                 block = builder.fmul(q6_k_code_sums(builder, load, *(builder.gep(p, [first_group])
                                                                      for p in (steps, firsts, seconds))),
@@ -203,13 +201,33 @@ def coded_row_codegen(type_id: int):
                 if signed:  # pmaddubsw's first operand is unsigned: the weights' signs move to the activations
                     weights, activations = (builder.call(magnitude, [weights, ir.IntType(1)(0)]),
                                             builder.call(sign, [activations, weights]))
-                dot = builder.call(pmadd, [builder.call(maddubs, [weights, activations]), scale])
+                if type_id == Q8_0 and VNNI:
+                    dot = builder.call(byte_dots, [ir.Constant(pairs, [0] * 8), builder.bitcast(weights, pairs),
+                                                   builder.bitcast(activations, pairs)])
+                else:
+                    dot = builder.call(pmadd, [builder.call(maddubs, [weights, activations]), scale])
                 step = splat(builder, builder.load(builder.gep(steps, [builder.add(first_group, intp(k))])))
                 block = builder.fadd(block, builder.fmul(builder.sitofp(dot, floats), step, flags=FAST_FLAGS),
                                      flags=FAST_FLAGS)
-            builder.store(builder.fadd(total, builder.fmul(block, splat(builder, d), flags=FAST_FLAGS),
-                                       flags=FAST_FLAGS), acc)
-        return lanes_sum(builder, builder.load(acc))
+            lanes = builder.fmul(block, splat(builder, d), flags=FAST_FLAGS)
+            if type_id == Q4_K:
+                lanes = builder.fadd(lanes, q4_k_rest(builder, load, d, half(2), *(builder.gep(p, [first_group])
+                                                                                   for p in (sums, corrections))),
+                                     flags=FAST_FLAGS)
+            return lanes
+
+        # blocks alternate between two sums: one sum's chain of additions (4 cycles each) is a Q8_0 block's whole time
+        sums_of = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
+
+        def add(which: int, b: ir.Value) -> None:
+            builder.store(builder.fadd(builder.load(sums_of[which]), block_lanes(b), flags=FAST_FLAGS), sums_of[which])
+
+        with cgutils.for_range(builder, builder.lshr(blocks, intp(1))) as loop:
+            for which in range(2):
+                add(which, builder.add(builder.shl(loop.index, intp(1)), intp(which)))
+        with builder.if_then(builder.trunc(blocks, ir.IntType(1))):
+            add(0, builder.sub(blocks, intp(1)))
+        return lanes_sum(builder, builder.fadd(builder.load(sums_of[0]), builder.load(sums_of[1]), flags=FAST_FLAGS))
     return codegen
 
 
