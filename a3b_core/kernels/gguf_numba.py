@@ -292,7 +292,11 @@ def coded_bytes(x):
                 for k in range(32 * g, 32 * g + 32):
                     codes[t, k] = np.int8(np.rint(x[t, k] * inverse))
                     coded += np.float32(codes[t, k]) * step
-                    extra[t, 3 + (k - 32 * g) // 16, g] += np.float32(codes[t, k])
+                for h in range(2):
+                    code_sum = np.int32(0)
+                    for k in range(32 * g + 16 * h, 32 * g + 16 * h + 16):
+                        code_sum = np.int32(code_sum + np.int32(codes[t, k]))
+                    extra[t, 3 + h, g] = np.float32(code_sum)
             extra[t, 0, g], extra[t, 1, g], extra[t, 2, g] = step, total, np.float32(7.5) * (total - coded)
     return extra, codes
 
@@ -432,10 +436,10 @@ def vector_coded_dot(type_id, row, codes, extra):
     """loop_coded_dot in gguf_vector.py's vector code."""
     per_row = codes.shape[0] // block_elems(type_id)
     if type_id == Q4_K:
-        return q4_k_vector_row(row, codes, extra.ravel(), per_row)
+        return q4_k_vector_row(row, codes, extra, per_row)
     if type_id == Q6_K:
-        return q6_k_vector_row(row, codes, extra.ravel(), per_row)
-    return q8_0_vector_row(row, codes, extra.ravel(), per_row)
+        return q6_k_vector_row(row, codes, extra, per_row)
+    return q8_0_vector_row(row, codes, extra, per_row)
 
 
 coded_dot = vector_coded_dot if VECTOR_TYPES else loop_coded_dot

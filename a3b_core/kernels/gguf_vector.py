@@ -1,27 +1,34 @@
 """Q4_K, Q6_K and Q8_0 rows dotted with int8-coded activations (gguf_numba.coded_bytes) in vector code of the pack's
-own (LLVM instructions through numba's intrinsics), as llama.cpp's AVX2 code multiplies them: AVX2's pmaddubsw
-multiplies 32 unsigned weight codes with 32 signed activation codes and sums them in pairs (int16), and pmaddwd sums
-those in pairs again (int32), weighted by the group's integer weight scale. Each run of 32 inputs' eight int32 lanes
-are turned into fp32 and scaled by the run's activation step, and a block's lanes by its weight scale d, into eight
-fp32 lanes summed across only at the row's end.
+own (LLVM instructions through numba's intrinsics), after llama.cpp's AVX2 code: pmaddubsw multiplies 32 unsigned
+weight codes with 32 signed activation codes and sums them in pairs (int16), and pmaddwd sums those in pairs again
+(int32), times Q6_K's integer scales or 1; where the CPU has VNNI, vpdpbusd does both at once for Q4_K and Q8_0. Each
+run of 32 inputs gives eight int32 lanes:
+- a K-type block's 8 runs are summed across their lanes by a tree of vphaddd (run_totals), turned into fp32 once, and
+  scaled per run (by the activations' step, and Q4_K's 6-bit scale) in one multiply: measured on an AVX-512 EPYC, a
+  Q4_K block took 6.4 ns where a conversion and a multiply-add a run took 7.7;
+- a Q8_0 block's one run is turned into fp32 and scaled by the step times the block's d.
+Blocks alternate between two fp32 sums of 8 lanes, summed across only at the row's end.
 
 A block's weight codes are made in vectors from its bytes, 32 at a time:
 - Q8_0 (34 bytes, 32 weights): the 32 int8 codes; pmaddubsw takes their magnitudes, and the activations' codes take
   their signs (psignb).
 - Q4_K (144 bytes, 256 weights): each run of 32 bytes holds 64 weights, the low nibbles the first 32, the high ones
-  the next 32; 6-bit scales per 32 (the group's minimum is not in the codes: its 8 groups' minimums times their
-  activations' sums, and their rounding corrections, go to fp32 lanes of their own).
+  the next 32; 6-bit scales and minimums per 32, unpacked in scalar registers. The minimums are not in the codes:
+  each group's minimum times its activations' sum, and the scale times their rounding correction, join the group's
+  lane.
 - Q6_K (210 bytes, 256 weights): each weight's low 4 bits from a nibble of `ql`, its high 2 bits from 2 bits of `qh`
   (unsigned, 0-63); int8 scales per 16. The codes' offset of 32 is not in the products: 32 times each group's scale
-  times its activations' sum of codes goes to the block's lanes once a block (as llama.cpp's bsums).
+  times its activations' sum of codes is taken from the run's total (as llama.cpp's bsums).
 The integers cannot overflow: a run's lane sums 4 products of a code (at most 127) and a weight code times its scale
-(at most 15 * 63 for Q4_K, 63 * 128 for Q6_K, 128 for Q8_0), and pmaddubsw's pairs stay within int16.
+(at most 15 for Q4_K, 63 * 128 for Q6_K, 128 for Q8_0), pmaddubsw's pairs stay within int16, and a run's total
+within 32 * 127 * 63 * 128.
 """
 from __future__ import annotations
 
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
+from numba.core.errors import TypingError
 from numba.extending import intrinsic
 
 from .cpu_numba import FAST_FLAGS, PMADD_LANES, check_row_arguments, host_features, lanes_sum, splat
@@ -32,7 +39,7 @@ EXTRA_ROWS = 5  # gguf_numba.coded_bytes' values per 32 inputs: step, sum, corre
 # pmaddubsw and pmaddwd of AVX2 (AVX-512 has AVX2's), fp16 scales by F16C's vcvtph2ps
 VECTOR_TYPES = (Q4_K, Q6_K, Q8_0) if PMADD_LANES and "+f16c" in host_features() else ()
 # VNNI's vpdpbusd (AVX-VNNI, or AVX-512 VNNI on 256-bit vectors) sums 4 products of bytes into int32 lanes in one
-# instruction: Q8_0's pmaddubsw and pmaddwd by 1 in one
+# instruction: a pmaddubsw and a pmaddwd by 1 (Q4_K's and Q8_0's runs)
 VNNI = "+avxvnni" in host_features() or {"+avx512vnni", "+avx512vl"} <= host_features()
 BLOCK_BYTES = {Q8_0: 34, Q4_K: 144, Q6_K: 210}
 BLOCK_INPUTS = {Q8_0: 32, Q4_K: 256, Q6_K: 256}
@@ -66,15 +73,13 @@ def block_runs(builder: ir.IRBuilder, type_id: int, load) -> list[tuple[ir.Value
     return out
 
 
-def run_scales(builder: ir.IRBuilder, type_id: int, load) -> list[ir.Value]:
-    """Each run's integer weight scales as <16 x i16>, pmaddwd's second operand: Q4_K's group scale in all lanes,
-    Q6_K's two groups' scales in lanes 0-7 and 8-15 (pmaddubsw's sums of the first and second 16 inputs), Q8_0's 1.
-    Eight scales are widened to words once, into both 128-bit halves, and each run's picked by one in-half byte
-    shuffle (vpshufb): LLVM's own spreading of shuffled words takes two vector instructions a run."""
+def q6_k_scales(builder: ir.IRBuilder, load) -> list[ir.Value]:
+    """Each Q6_K run's integer weight scales as <16 x i16>, pmaddwd's second operand: its two groups' scales in lanes
+    0-7 and 8-15 (pmaddubsw's sums of its first and second 16 inputs). Each half block's 8 scales are widened to words
+    once, into both 128-bit halves, and each run's picked by one in-half byte shuffle (vpshufb): LLVM's own spreading
+    of shuffled words takes two vector instructions a run."""
     i16, i32 = ir.IntType(16), ir.IntType(32)
     words, eight_words, i8x32 = ir.VectorType(i16, 16), ir.VectorType(i16, 8), ir.VectorType(ir.IntType(8), 32)
-    if type_id == Q8_0:
-        return [ir.Constant(words, [1] * 16)]
     shuffle = builder.module.declare_intrinsic("llvm.x86.avx2.pshuf.b", fnty=ir.FunctionType(i8x32, [i8x32, i8x32]))
 
     def doubled(eight: ir.Value) -> ir.Value:  # <8 x i16> as <32 x i8>, in both halves
@@ -85,11 +90,25 @@ def run_scales(builder: ir.IRBuilder, type_id: int, load) -> list[ir.Value]:
         mask = [2 * low, 2 * low + 1] * 8 + [2 * high, 2 * high + 1] * 8
         return builder.bitcast(builder.call(shuffle, [scales, ir.Constant(i8x32, mask)]), words)
 
-    if type_id == Q6_K:  # run 4h + s: the scales 2s and 2s + 1 of the 8 at 192 + 8h
-        halves = [doubled(builder.sext(load(192 + 8 * h, 8), eight_words)) for h in range(2)]
-        return [pick(halves[k // 4], 2 * (k % 4), 2 * (k % 4) + 1) for k in range(8)]
-    scales = doubled(builder.zext(q4_k_sixes(builder, load)[0], eight_words))
-    return [pick(scales, g, g) for g in range(8)]
+    # run 4h + s: the scales 2s and 2s + 1 of the 8 at 192 + 8h
+    halves = [doubled(builder.sext(load(192 + 8 * h, 8), eight_words)) for h in range(2)]
+    return [pick(halves[k // 4], 2 * (k % 4), 2 * (k % 4) + 1) for k in range(8)]
+
+
+def run_totals(builder: ir.IRBuilder, dots: list[ir.Value]) -> ir.Value:
+    """Eight runs' <8 x i32> lanes each summed across, run k's total in lane k: two levels of vphaddd (pairs of lanes
+    of two vectors summed, per 128-bit half), and the halves added. Once a block, instead of a conversion to fp32 and
+    a multiply-add a run."""
+    pairs = dots[0].type
+    add_pairs = builder.module.declare_intrinsic("llvm.x86.avx2.phadd.d", fnty=ir.FunctionType(pairs, [pairs] * 2))
+    fours = [builder.call(add_pairs, [dots[k], dots[k + 1]]) for k in range(0, 8, 2)]
+    eights = [builder.call(add_pairs, [fours[k], fours[k + 1]]) for k in (0, 2)]  # runs 4j..4j+3, low half then high
+
+    def halves(first: int) -> ir.Value:  # lanes first..first + 3 of both
+        lanes = [first + k for k in range(4)] + [8 + first + k for k in range(4)]
+        return builder.shuffle_vector(*eights, ir.Constant(ir.VectorType(ir.IntType(32), 8), lanes))
+
+    return builder.add(halves(0), halves(4))
 
 
 def q4_k_sixes(builder: ir.IRBuilder, load) -> tuple[ir.Value, ir.Value]:
@@ -120,25 +139,27 @@ def eight_floats(builder: ir.IRBuilder, pointer: ir.Value) -> ir.Value:
     return builder.load(builder.bitcast(pointer, ir.VectorType(ir.FloatType(), 8).as_pointer()), align=4)
 
 
-def q4_k_rest(builder: ir.IRBuilder, load, d: ir.Value, dmin: ir.Value, sums: ir.Value,
-              corrections: ir.Value) -> ir.Value:
-    """A Q4_K block's part outside its codes' products, as <8 x float> lanes to be summed: each group's scale times its
-    activations' rounding correction, less its minimum times its activations' sum (float pointers to the block's first
-    group's)."""
+def q4_k_lanes(builder: ir.IRBuilder, load, d: ir.Value, dmin: ir.Value, totals: ir.Value, steps: ir.Value,
+               sums: ir.Value, corrections: ir.Value) -> ir.Value:
+    """A Q4_K block's part of the dot as <8 x float> lanes to be summed, one a group of 32: d * scale * (step * total +
+    correction) - dmin * minimum * sum(x), totals the groups' sums of nibble * code (fp32) and steps, sums and
+    corrections float pointers to the block's first group's."""
     floats = ir.VectorType(ir.FloatType(), 8)
-
     scale, minimum = (builder.uitofp(builder.zext(six, ir.VectorType(ir.IntType(32), 8)), floats)
                       for six in q4_k_sixes(builder, load))
-    return builder.fsub(builder.fmul(builder.fmul(scale, splat(builder, d), flags=FAST_FLAGS), eight_floats(builder, corrections),
-                                     flags=FAST_FLAGS),
-                        builder.fmul(builder.fmul(minimum, splat(builder, dmin), flags=FAST_FLAGS), eight_floats(builder, sums),
-                                     flags=FAST_FLAGS), flags=FAST_FLAGS)
+    scale, minimum = builder.fmul(scale, d, flags=FAST_FLAGS), builder.fmul(minimum, dmin, flags=FAST_FLAGS)
+    coded = builder.fadd(builder.fmul(totals, eight_floats(builder, steps), flags=FAST_FLAGS),
+                         eight_floats(builder, corrections), flags=FAST_FLAGS)
+    return builder.fsub(builder.fmul(scale, coded, flags=FAST_FLAGS),
+                        builder.fmul(minimum, eight_floats(builder, sums), flags=FAST_FLAGS), flags=FAST_FLAGS)
 
 
-def q6_k_code_sums(builder: ir.IRBuilder, load, steps: ir.Value, firsts: ir.Value, seconds: ir.Value) -> ir.Value:
-    """A Q6_K block's runs' sums of scale * activation code, times the run's step, as <8 x float> lanes (one a run):
-    its 16 int8 scales (the even ones a run's first 16 inputs', the odd ones its second's) against the activations'
-    sums of 16 codes (float pointers to the block's first run's)."""
+def q6_k_lanes(builder: ir.IRBuilder, load, d: ir.Value, totals: ir.Value, steps: ir.Value, firsts: ir.Value,
+               seconds: ir.Value) -> ir.Value:
+    """A Q6_K block's part of the dot as <8 x float> lanes to be summed, one a run of 32: d * step * (total - 32 *
+    (scale * code sum of its first 16 + scale * code sum of its second 16)), totals the runs' sums of scale * code *
+    weight code (fp32), and steps, firsts and seconds float pointers to the block's first run's (the activations' sums
+    of 16 codes)."""
     i32, floats = ir.IntType(32), ir.VectorType(ir.FloatType(), 8)
     scales = load(192, 16)
 
@@ -147,15 +168,19 @@ def q6_k_code_sums(builder: ir.IRBuilder, load, steps: ir.Value, firsts: ir.Valu
                                         ir.Constant(ir.VectorType(i32, 8), list(range(first, 16, 2))))
         return builder.sitofp(builder.sext(picked, ir.VectorType(i32, 8)), floats)
 
-    sums = builder.fadd(builder.fmul(every_other(0), eight_floats(builder, firsts), flags=FAST_FLAGS),
-                        builder.fmul(every_other(1), eight_floats(builder, seconds), flags=FAST_FLAGS), flags=FAST_FLAGS)
-    return builder.fmul(sums, eight_floats(builder, steps), flags=FAST_FLAGS)
+    offsets = builder.fadd(builder.fmul(every_other(0), eight_floats(builder, firsts), flags=FAST_FLAGS),
+                           builder.fmul(every_other(1), eight_floats(builder, seconds), flags=FAST_FLAGS),
+                           flags=FAST_FLAGS)
+    products = builder.fsub(totals, builder.fmul(offsets, ir.Constant(floats, [32.0] * 8), flags=FAST_FLAGS),
+                            flags=FAST_FLAGS)
+    return builder.fmul(products, builder.fmul(eight_floats(builder, steps), d, flags=FAST_FLAGS),
+                        flags=FAST_FLAGS)
 
 
 def coded_row_codegen(type_id: int):
     """The LLVM code of a row's dot (see the module docstring): arguments row (uint8, its bytes), codes (int8, the
-    row's inputs), extra (float32, gguf_numba.coded_bytes' EXTRA_ROWS rows of one value per 32 inputs, one after the
-    other) and the block count; an fp32 result."""
+    row's inputs), extra (float32 [EXTRA_ROWS, inputs / 32], C-contiguous: gguf_numba.coded_bytes' values per 32
+    inputs) and the block count; an fp32 result."""
     def codegen(context, builder, signature, args):
         row, codes, extra = (context.make_array(signature.args[k])(context, builder, args[k]).data for k in range(3))
         blocks = context.cast(builder, args[3], signature.args[3], types.intp)
@@ -182,39 +207,40 @@ def coded_row_codegen(type_id: int):
                 pointer = builder.bitcast(builder.gep(at, [intp(offset)]), ir.VectorType(i8, n).as_pointer())
                 return builder.load(pointer, align=1)
 
-            def half(offset: int) -> ir.Value:  # the fp16 at offset as float (vcvtph2ps: exact)
+            def half(offset: int) -> ir.Value:
+                # the fp16 at offset in 8 float lanes (vpbroadcastw, vcvtph2ps: exact). Converted as a scalar, it is
+                # inserted into some register's vector (vpinsrw), at times the sums': a dependency between blocks.
                 pointer = builder.bitcast(builder.gep(at, [intp(offset)]), ir.HalfType().as_pointer())
-                return builder.fpext(builder.load(pointer, align=1), f32)
+                return builder.fpext(splat(builder, builder.load(pointer, align=1)), floats)
 
             first_code = builder.gep(codes, [builder.mul(b, intp(BLOCK_INPUTS[type_id]))])
             first_group = builder.mul(b, intp(BLOCK_INPUTS[type_id] // 32))
             d = half(SCALE_AT[type_id])
-            block = zero  # the block's sum, less its scale d
-            if type_id == Q6_K:  # its codes' offset of 32, through the activations' sums of 16 codes
-                block = builder.fmul(q6_k_code_sums(builder, load, *(builder.gep(p, [first_group])
-                                                                     for p in (steps, firsts, seconds))),
-                                     ir.Constant(floats, [-32.0] * 8), flags=FAST_FLAGS)
-            for k, ((weights, signed), scale) in enumerate(zip(block_runs(builder, type_id, load),
-                                                               run_scales(builder, type_id, load))):
+            weights_runs = block_runs(builder, type_id, load)
+            scales = q6_k_scales(builder, load) if type_id == Q6_K else [None] * len(weights_runs)
+            dots = []
+            for k, ((weights, signed), scale) in enumerate(zip(weights_runs, scales)):
                 code_pointer = builder.bitcast(builder.gep(first_code, [intp(32 * k)]), runs.as_pointer())
                 activations = builder.load(code_pointer, align=1)
                 if signed:  # pmaddubsw's first operand is unsigned: the weights' signs move to the activations
                     weights, activations = (builder.call(magnitude, [weights, ir.IntType(1)(0)]),
                                             builder.call(sign, [activations, weights]))
-                if type_id == Q8_0 and VNNI:
-                    dot = builder.call(byte_dots, [ir.Constant(pairs, [0] * 8), builder.bitcast(weights, pairs),
-                                                   builder.bitcast(activations, pairs)])
+                if scale is None and VNNI:
+                    dots.append(builder.call(byte_dots, [ir.Constant(pairs, [0] * 8), builder.bitcast(weights, pairs),
+                                                         builder.bitcast(activations, pairs)]))
                 else:
-                    dot = builder.call(pmadd, [builder.call(maddubs, [weights, activations]), scale])
-                step = splat(builder, builder.load(builder.gep(steps, [builder.add(first_group, intp(k))])))
-                block = builder.fadd(block, builder.fmul(builder.sitofp(dot, floats), step, flags=FAST_FLAGS),
-                                     flags=FAST_FLAGS)
-            lanes = builder.fmul(block, splat(builder, d), flags=FAST_FLAGS)
+                    dots.append(builder.call(pmadd, [builder.call(maddubs, [weights, activations]),
+                                                     ir.Constant(words, [1] * 16) if scale is None else scale]))
+            if type_id == Q8_0:
+                step = builder.load(builder.gep(steps, [first_group]))
+                return builder.fmul(builder.sitofp(dots[0], floats), builder.fmul(splat(builder, step), d),
+                                    flags=FAST_FLAGS)
+            totals = builder.sitofp(run_totals(builder, dots), floats)
             if type_id == Q4_K:
-                lanes = builder.fadd(lanes, q4_k_rest(builder, load, d, half(2), *(builder.gep(p, [first_group])
-                                                                                   for p in (sums, corrections))),
-                                     flags=FAST_FLAGS)
-            return lanes
+                return q4_k_lanes(builder, load, d, half(2), totals,
+                                  *(builder.gep(p, [first_group]) for p in (steps, sums, corrections)))
+            return q6_k_lanes(builder, load, d, totals,
+                              *(builder.gep(p, [first_group]) for p in (steps, firsts, seconds)))
 
         # blocks alternate between two sums: one sum's chain of additions (4 cycles each) is a Q8_0 block's whole time
         sums_of = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
@@ -233,8 +259,10 @@ def coded_row_codegen(type_id: int):
 
 def row_intrinsic(type_id: int):
     def typer(typingctx, row, codes, extra, blocks):
-        check_row_arguments("a GGUF row's vector dot", (row, codes, extra), (types.uint8, types.int8, types.float32),
-                            blocks)
+        check_row_arguments("a GGUF row's vector dot", (row, codes), (types.uint8, types.int8), blocks)
+        if not (isinstance(extra, types.Array) and extra.ndim == 2 and extra.layout == "C"
+                and extra.dtype == types.float32):
+            raise TypingError(f"a GGUF row's vector dot needs extra as a 2-D C-contiguous float32 array; got {extra}")
         return types.float32(row, codes, extra, blocks), coded_row_codegen(type_id)
     typer.__name__ = f"vector_row_{type_id}"
     return intrinsic(typer)
