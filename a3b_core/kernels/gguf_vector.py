@@ -1,8 +1,8 @@
 """Q4_K, Q6_K and Q8_0 rows dotted with int8-coded activations (gguf_numba.coded_bytes) in vector code of the pack's
 own (LLVM instructions through numba's intrinsics), after llama.cpp's AVX2 code: pmaddubsw multiplies 32 unsigned
 weight codes with 32 signed activation codes and sums them in pairs (int16), and pmaddwd sums those in pairs again
-(int32), times Q6_K's integer scales or 1; where the CPU has VNNI, vpdpbusd does both at once for Q4_K and Q8_0. Each
-run of 32 inputs gives eight int32 lanes:
+(int32), times Q6_K's integer scales or 1 (a pmaddubsw and a pmaddwd by 1 LLVM compiles to VNNI's one vpdpbusd
+where the CPU has it). Each run of 32 inputs gives eight int32 lanes:
 - a K-type block's 8 runs are summed across their lanes by a tree of vphaddd (run_totals), turned into fp32 once, and
   scaled per run (by the activations' step, and Q4_K's 6-bit scale) in one multiply: measured on an AVX-512 EPYC, a
   Q4_K block took 6.4 ns where a conversion and a multiply-add a run took 7.7;
@@ -38,9 +38,6 @@ EXTRA_ROWS = 5  # gguf_numba.coded_bytes' values per 32 inputs: step, sum, corre
 
 # pmaddubsw and pmaddwd of AVX2 (AVX-512 has AVX2's), fp16 scales by F16C's vcvtph2ps
 VECTOR_TYPES = (Q4_K, Q6_K, Q8_0) if PMADD_LANES and "+f16c" in host_features() else ()
-# VNNI's vpdpbusd (AVX-VNNI, or AVX-512 VNNI on 256-bit vectors) sums 4 products of bytes into int32 lanes in one
-# instruction: a pmaddubsw and a pmaddwd by 1 (Q4_K's and Q8_0's runs)
-VNNI = "+avxvnni" in host_features() or {"+avx512vnni", "+avx512vl"} <= host_features()
 BLOCK_BYTES = {Q8_0: 34, Q4_K: 144, Q6_K: 210}
 BLOCK_INPUTS = {Q8_0: 32, Q4_K: 256, Q6_K: 256}
 SCALE_AT = {Q8_0: 0, Q4_K: 0, Q6_K: 208}  # where a block's fp16 scale d is (Q4_K's dmin follows it)
@@ -196,7 +193,6 @@ def coded_row_codegen(type_id: int):
         pmadd = declare("llvm.x86.avx2.pmadd.wd", fnty=ir.FunctionType(pairs, [words, words]))
         sign = declare("llvm.x86.avx2.psign.b", fnty=ir.FunctionType(runs, [runs, runs]))
         magnitude = declare("llvm.abs.v32i8", fnty=ir.FunctionType(runs, [runs, ir.IntType(1)]))
-        byte_dots = declare("llvm.x86.avx512.vpdpbusd.256", fnty=ir.FunctionType(pairs, [pairs] * 3))
         row, codes = builder.bitcast(row, i8.as_pointer()), builder.bitcast(codes, i8.as_pointer())
         zero = ir.Constant(floats, [0.0] * 8)
 
@@ -225,12 +221,8 @@ def coded_row_codegen(type_id: int):
                 if signed:  # pmaddubsw's first operand is unsigned: the weights' signs move to the activations
                     weights, activations = (builder.call(magnitude, [weights, ir.IntType(1)(0)]),
                                             builder.call(sign, [activations, weights]))
-                if scale is None and VNNI:
-                    dots.append(builder.call(byte_dots, [ir.Constant(pairs, [0] * 8), builder.bitcast(weights, pairs),
-                                                         builder.bitcast(activations, pairs)]))
-                else:
-                    dots.append(builder.call(pmadd, [builder.call(maddubs, [weights, activations]),
-                                                     ir.Constant(words, [1] * 16) if scale is None else scale]))
+                dots.append(builder.call(pmadd, [builder.call(maddubs, [weights, activations]),
+                                                 ir.Constant(words, [1] * 16) if scale is None else scale]))
             if type_id == Q8_0:
                 step = builder.load(builder.gep(steps, [first_group]))
                 return builder.fmul(builder.sitofp(dots[0], floats), builder.fmul(splat(builder, step), d),
