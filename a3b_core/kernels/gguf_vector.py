@@ -234,18 +234,10 @@ def coded_row_codegen(type_id: int):
             return q6_k_lanes(builder, load, d, totals,
                               *(builder.gep(p, [first_group]) for p in (steps, firsts, seconds)))
 
-        # blocks alternate between two sums: one sum's chain of additions (4 cycles each) is a Q8_0 block's whole time
-        sums_of = [cgutils.alloca_once_value(builder, zero) for _ in range(2)]
-
-        def add(which: int, b: ir.Value) -> None:
-            builder.store(builder.fadd(builder.load(sums_of[which]), block_lanes(b), flags=FAST_FLAGS), sums_of[which])
-
-        with cgutils.for_range(builder, builder.lshr(blocks, intp(1))) as loop:
-            for which in range(2):
-                add(which, builder.add(builder.shl(loop.index, intp(1)), intp(which)))
-        with builder.if_then(builder.trunc(blocks, ir.IntType(1))):
-            add(0, builder.sub(blocks, intp(1)))
-        return lanes_sum(builder, builder.fadd(builder.load(sums_of[0]), builder.load(sums_of[1]), flags=FAST_FLAGS))
+        total = cgutils.alloca_once_value(builder, zero)
+        with cgutils.for_range(builder, blocks) as loop:
+            builder.store(builder.fadd(builder.load(total), block_lanes(loop.index), flags=FAST_FLAGS), total)
+        return lanes_sum(builder, builder.load(total))
     return codegen
 
 
