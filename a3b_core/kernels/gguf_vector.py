@@ -195,7 +195,6 @@ def coded_row_codegen(type_id: int):
         sign = declare("llvm.x86.avx2.psign.b", fnty=ir.FunctionType(runs, [runs, runs]))
         magnitude = declare("llvm.abs.v32i8", fnty=ir.FunctionType(runs, [runs, ir.IntType(1)]))
         row, codes = builder.bitcast(row, i8.as_pointer()), builder.bitcast(codes, i8.as_pointer())
-        zero = ir.Constant(floats, [0.0] * 8)
 
         def block_lanes(b: ir.Value) -> ir.Value:  # block b's part of the row's dot, as 8 lanes to be summed
             at = builder.gep(row, [builder.mul(b, intp(BLOCK_BYTES[type_id]))])
@@ -214,7 +213,9 @@ def coded_row_codegen(type_id: int):
             first_group = builder.mul(b, intp(BLOCK_INPUTS[type_id] // 32))
             d = half(SCALE_AT[type_id])
             weights_runs = block_runs(builder, type_id, load)
-            scales = q6_k_scales(builder, load) if type_id == Q6_K else [None] * len(weights_runs)
+            # pmaddwd's second operand: Q6_K's scales, the others' 1 (their scales are applied in fp32)
+            ones = ir.Constant(words, [1] * 16)
+            scales = q6_k_scales(builder, load) if type_id == Q6_K else [ones] * len(weights_runs)
             dots = []
             for k, ((weights, signed), scale) in enumerate(zip(weights_runs, scales)):
                 code_pointer = builder.bitcast(builder.gep(first_code, [intp(32 * k)]), runs.as_pointer())
@@ -222,8 +223,7 @@ def coded_row_codegen(type_id: int):
                 if signed:  # pmaddubsw's first operand is unsigned: the weights' signs move to the activations
                     weights, activations = (builder.call(magnitude, [weights, ir.IntType(1)(0)]),
                                             builder.call(sign, [activations, weights]))
-                dots.append(builder.call(pmadd, [builder.call(maddubs, [weights, activations]),
-                                                 ir.Constant(words, [1] * 16) if scale is None else scale]))
+                dots.append(builder.call(pmadd, [builder.call(maddubs, [weights, activations]), scale]))
             if type_id == Q8_0:
                 step = builder.load(builder.gep(steps, [first_group]))
                 return builder.fmul(builder.sitofp(dots[0], floats), builder.fmul(splat(builder, step), d),
@@ -235,7 +235,7 @@ def coded_row_codegen(type_id: int):
             return q6_k_lanes(builder, load, d, totals,
                               *(builder.gep(p, [first_group]) for p in (steps, firsts, seconds)))
 
-        total = cgutils.alloca_once_value(builder, zero)
+        total = cgutils.alloca_once_value(builder, ir.Constant(floats, [0.0] * 8))
         with cgutils.for_range(builder, blocks) as loop:
             builder.store(builder.fadd(builder.load(total), block_lanes(loop.index), flags=FAST_FLAGS), total)
         return lanes_sum(builder, builder.load(total))
