@@ -314,6 +314,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians need 3 or more")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quick", action="store_true", help="a 128-token prompt and 32 new tokens")
+    parser.add_argument("--prefill", type=int, help="prompt tokens of the prefill test (default 512; --quick: 128)")
+    parser.add_argument("--decode", type=int, help="greedy tokens of the decode test (default 128; --quick: 32)")
     parser.add_argument("--no-llama", action="store_true", help="skip llama.cpp (and its build)")
     parser.add_argument("--no-transformers", action="store_true", help="skip transformers")
     parser.add_argument("--no-image", action="store_true", help="skip the demo model's image and video TTFT")
@@ -343,7 +345,8 @@ def main() -> None:
     parser.add_argument("--report", type=Path, help="print the report of a saved results file and exit")
     parser.add_argument("--resume", type=Path, help="continue an interrupted run from its results file")
     args = parser.parse_args()
-    args.prefill, args.decode = (128, 32) if args.quick else (512, 128)
+    quick_sizes = (128, 32) if args.quick else (512, 128)
+    args.prefill, args.decode = args.prefill or quick_sizes[0], args.decode or quick_sizes[1]
     if args.llama_cpp is not None:
         args.llama_cpp = Path(args.llama_cpp).expanduser().resolve()
 

@@ -132,7 +132,8 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = GDN_CHUNK):
         q, k, v = (F.pad(z, (0, 0, 0, pad)) for z in (q, k, v))
         beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
     n = (length + pad) // chunk
-    q, k, v = (z.reshape(b, h, n, chunk, -1) for z in (q, k, v))
+    # one copy each into chunk-major blocks: a matmul of the heads-first views (strided) copies them at every use
+    q, k, v = (z.reshape(b, h, n, chunk, -1).contiguous() for z in (q, k, v))
     beta, g = beta.reshape(b, h, n, chunk), g.reshape(b, h, n, chunk)
     cum = g.cumsum(-1)  # G_i
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
@@ -140,9 +141,11 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = GDN_CHUNK):
     kk = k @ k.transpose(-1, -2)
     a = (beta[..., None] * decay * kk).tril(-1)
     eye = torch.eye(chunk, dtype=k.dtype, device=k.device)
-    solve = lambda rhs: torch.linalg.solve_triangular(eye + a, rhs, upper=False, unitriangular=True)
-    u_value = solve(beta[..., None] * v)  # the part of U independent of the entering state
-    u_state = solve(beta[..., None] * cum.exp()[..., None] * k)  # the part multiplied by it
+    # (I + A)^-1 once, then products: a triangular solve per right-hand side took 1.4x as long on 2 cores (it copies
+    # each [chunk, d] side into LAPACK's column-major order)
+    inverse = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
+    u_value = inverse @ (beta[..., None] * v)  # the part of U independent of the entering state
+    u_state = inverse @ (beta[..., None] * cum.exp()[..., None] * k)  # the part multiplied by it
     qk = (q @ k.transpose(-1, -2)) * decay
     decay_to_end = (cum[..., -1:] - cum).exp()[..., None]  # e^{G_last - G_j}
     out = v.new_empty(b, h, n, chunk, v.shape[-1])
