@@ -144,8 +144,9 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = GDN_CHUNK):
     # (I + A)^-1 once, then products: a triangular solve per right-hand side took 1.4x as long on 2 cores (it copies
     # each [chunk, d] side into LAPACK's column-major order)
     inverse = torch.linalg.solve_triangular(eye + a, eye.expand_as(a), upper=False, unitriangular=True)
-    u_value = inverse @ (beta[..., None] * v)  # the part of U independent of the entering state
-    u_state = inverse @ (beta[..., None] * cum.exp()[..., None] * k)  # the part multiplied by it
+    # (I + A)^-1 diag(beta) v: beta scales the inverse's columns, not v's longer rows
+    u_value = (inverse * beta[..., None, :]) @ v  # the part of U independent of the entering state
+    u_state = (inverse * (beta * cum.exp())[..., None, :]) @ k  # the part multiplied by it
     qk = (q @ k.transpose(-1, -2)) * decay
     decay_to_end = (cum[..., -1:] - cum).exp()[..., None]  # e^{G_last - G_j}
     out = v.new_empty(b, h, n, chunk, v.shape[-1])
