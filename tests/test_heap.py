@@ -18,8 +18,9 @@ def rss() -> int:
         return int(statm.read().split()[1]) * resource.getpagesize()
 
 
-@pytest.mark.parametrize("size", [16 * MiB, 64 * MiB])  # a layer's temporaries; a long prompt's, above glibc's
-def test_freed_memory_is_kept_inside_and_handed_back_after(monkeypatch, size):  # own 32 MiB mmap threshold
+# a layer's temporaries; a long prompt's, above glibc's own 32 MiB mmap threshold
+@pytest.mark.parametrize("size", [16 * MiB, 64 * MiB])
+def test_freed_memory_is_kept_inside_and_handed_back_after(monkeypatch, size):
     monkeypatch.setenv("A3B_KEEP_HEAP", "1")
     _glibc().malloc_trim(0)  # free memory earlier tests left in the heap would serve the allocation below
     before = rss()
