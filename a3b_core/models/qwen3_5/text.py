@@ -72,6 +72,9 @@ class GatedDeltaNet(nn.Module):
         if t == 1:
             o = delta_rule_step(q, k, v, beta, g, state)  # the cache's state is updated in place
         else:
+            # copied heads-first here, so that their token-major tensors are freed: a matmul of strided views would
+            # copy them at every use
+            q, k, v = (z.contiguous() for z in (q, k, v))
             o, state = delta_rule_chunked(q, k, v, beta, g, state)
             if cache is not None:
                 cache.set_recurrent_state(self.layer, state)
@@ -132,8 +135,7 @@ def delta_rule_chunked(q, k, v, beta, g, state, chunk: int = GDN_CHUNK):
         q, k, v = (F.pad(z, (0, 0, 0, pad)) for z in (q, k, v))
         beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
     n = (length + pad) // chunk
-    # one copy each into chunk-major blocks: a matmul of the heads-first views (strided) copies them at every use
-    q, k, v = (z.reshape(b, h, n, chunk, -1).contiguous() for z in (q, k, v))
+    q, k, v = (z.reshape(b, h, n, chunk, -1) for z in (q, k, v))
     beta, g = beta.reshape(b, h, n, chunk), g.reshape(b, h, n, chunk)
     cum = g.cumsum(-1)  # G_i
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=k.device).tril()
