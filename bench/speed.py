@@ -345,8 +345,8 @@ def main() -> None:
     parser.add_argument("--report", type=Path, help="print the report of a saved results file and exit")
     parser.add_argument("--resume", type=Path, help="continue an interrupted run from its results file")
     args = parser.parse_args()
-    quick_sizes = (128, 32) if args.quick else (512, 128)
-    args.prefill, args.decode = args.prefill or quick_sizes[0], args.decode or quick_sizes[1]
+    default_prefill, default_decode = (128, 32) if args.quick else (512, 128)
+    args.prefill, args.decode = args.prefill or default_prefill, args.decode or default_decode
     if args.llama_cpp is not None:
         args.llama_cpp = Path(args.llama_cpp).expanduser().resolve()
 

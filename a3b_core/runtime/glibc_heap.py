@@ -22,8 +22,8 @@ KEEP_BYTES = 1 << 30  # free memory at the heap's top kept while generating
 # are 32 MiB each: mapped afresh each time (glibc's own threshold tops out at 32 MiB), they cost the bench model's
 # Q4_K_M 4096-token prefill 4-7% (2 threads, AVX-512 EPYC, separate processes, alternating).
 KEPT_MMAP_BYTES = 512 << 20
-# ... and after: setting the threshold ends glibc's adaptive one for the process, so it is set back to where the
-# adaptive one tops out.
+# The threshold after a generation: setting it ends glibc's adaptive one for the process, so it goes back to where
+# the adaptive one tops out.
 MMAP_BYTES = 32 << 20
 DEFAULT_TRIM_BYTES = 128 << 10  # glibc's default trim threshold
 
