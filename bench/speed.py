@@ -309,6 +309,12 @@ def profile(args, env: dict) -> None:
                                         str(args.top), family=family), check=True, env=env)
 
 
+def measured_sizes(quick: bool, prefill: int | None, decode: int | None) -> tuple[int, int]:
+    """The prefill test's prompt tokens and the decode test's new tokens: as given, else --quick's or the defaults."""
+    default_prefill, default_decode = (128, 32) if quick else (512, 128)
+    return prefill or default_prefill, decode or default_decode
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians need 3 or more")
@@ -345,8 +351,7 @@ def main() -> None:
     parser.add_argument("--report", type=Path, help="print the report of a saved results file and exit")
     parser.add_argument("--resume", type=Path, help="continue an interrupted run from its results file")
     args = parser.parse_args()
-    default_prefill, default_decode = (128, 32) if args.quick else (512, 128)
-    args.prefill, args.decode = args.prefill or default_prefill, args.decode or default_decode
+    args.prefill, args.decode = measured_sizes(args.quick, args.prefill, args.decode)
     if args.llama_cpp is not None:
         args.llama_cpp = Path(args.llama_cpp).expanduser().resolve()
 
