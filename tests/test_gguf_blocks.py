@@ -113,6 +113,35 @@ def test_vector_dots_equal_the_loop_dots(type_id):
     assert np.all(np.abs(loop - vector) <= 1e-5 * bound[0] + 1e-30)
 
 
+@pytest.mark.parametrize("type_id", [Q4_K, Q8_0], ids=["Q4_K", "Q8_0"])
+def test_vnni_dots_equal_the_pmadd_dots(type_id):
+    """Where the CPU has AVX-512 VNNI, Q4_K's and Q8_0's runs are summed by vpdpbusd; the pmaddubsw and pmaddwd code
+    that CPUs with AVX2 alone run gives the same integers, hence the same result, bit for bit."""
+    compiled = gguf_blocks.kernels()
+    if compiled is None or not compiled.VECTOR_TYPES:
+        pytest.skip("the vector dots need numba and a CPU with AVX2 and F16C")
+    from numba import njit
+
+    from a3b_core.kernels import gguf_vector
+    if not gguf_vector.VNNI:
+        pytest.skip("this CPU has no AVX-512 VNNI: its dots are the pmaddubsw ones")
+    vnni_row, pmadd_row = (gguf_vector.row_intrinsic(type_id, vnni) for vnni in (True, False))
+
+    @njit
+    def both(blocks, codes, extra, count):
+        out = np.empty((2, blocks.shape[0]), np.float32)
+        for r in range(blocks.shape[0]):
+            out[0, r] = vnni_row(blocks[r], codes, extra, count)
+            out[1, r] = pmadd_row(blocks[r], codes, extra, count)
+        return out
+
+    blocks, cols = matrix_blocks(type_id, 24, 3, seed=9)
+    x = np.random.default_rng(10).standard_normal((1, cols), dtype=np.float32)
+    extra, codes = compiled.coded_bytes(x)
+    vnni, pmadd = both(blocks, codes[0], extra[0], cols // BLOCK_TYPES[type_id][1])
+    assert np.array_equal(vnni, pmadd)
+
+
 def test_bad_inputs_name_the_type_and_fix():
     blocks, cols = matrix_blocks(Q4_0, 2, 2, seed=0)
     with pytest.raises(CheckpointError, match="type id 16"):
