@@ -475,20 +475,23 @@ def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, out
                     g = gate[i - first]
                     act[s, i] = g / (1 + np.exp(-g)) * up[i - first]
 
-    # a work item is a block of output rows, read expert by expert: each row's experts summed in its routing's
-    # order, so a row's result does not depend on the other rows of the call
+    # a work item is a block of one expert's down rows, as for gate and up, so that each thread reads whole experts'
+    # rows in long runs: work items of output rows, each reading a block of every chosen expert's rows in turn, made
+    # the bench model's routed step 1.1-1.4x as long (bf16 experts, AVX-512 EPYC). Each row's slots are then summed
+    # in its routing's order, so a row's result does not depend on the other rows of the call.
     act_extras, act_codes = row_extras(fmt, dn_scale, act)
+    parts = np.empty((slots, hidden), np.float32)
     blocks = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
-    for b in prange(blocks):
+    for item in prange(used * blocks):
+        u, b = item // blocks, item % blocks
         first, end = b * ROW_BLOCK, min(hidden, b * ROW_BLOCK + ROW_BLOCK)
-        part = np.empty(ROW_BLOCK, np.float32)
-        for t in range(tokens):
-            for j in range(top_k):
-                s = t * top_k + j
-                rows_dot(fmt, dn_q, dn_scale, experts[expert_of[s]], first, end, act[s], act_extras[s],
-                         act_codes[s], part)
-                for r in range(first, end):
-                    out[t, r] += weights[t, j] * part[r - first]
+        for s in range(slots):
+            if expert_of[s] == u:
+                rows_dot(fmt, dn_q, dn_scale, experts[u], first, end, act[s], act_extras[s], act_codes[s],
+                         parts[s, first:end])
+    for t in range(tokens):
+        for j in range(top_k):
+            out[t] += weights[t, j] * parts[t * top_k + j]
 
 
 @njit(cache=True, fastmath=FAST, parallel=True)

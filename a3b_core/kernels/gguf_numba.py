@@ -495,15 +495,18 @@ def coded_routed_step(types, row_bytes, inter, gate_up, down, x, ids, weights, o
                            codes[t], extra[t])
             act[s, i] = gate / (1 + np.exp(-gate)) * up
     act_extra, act_codes = coded_bytes(act)
-    for b in prange((hidden + ROW_BLOCK - 1) // ROW_BLOCK):  # a work item: a block of output rows, expert by expert
+    parts = np.empty((slots, hidden), np.float32)
+    blocks = (hidden + ROW_BLOCK - 1) // ROW_BLOCK
+    for item in prange(slots * blocks):  # a work item: a block of one slot's down rows (as cpu_numba.routed_step's)
+        s, b = item // blocks, item % blocks
+        e = ids[s // top_k, s % top_k]
         for r in range(b * ROW_BLOCK, min(hidden, (b + 1) * ROW_BLOCK)):
-            for t in range(tokens):
-                total = np.float32(0.0)
-                for j in range(top_k):
-                    s = t * top_k + j
-                    row = down[ids[t, j], r * row_bytes[2]:(r + 1) * row_bytes[2]]
-                    total += weights[t, j] * coded_dot(types[2], row, act_codes[s], act_extra[s])
-                out[t, r] = total
+            row = down[e, r * row_bytes[2]:(r + 1) * row_bytes[2]]
+            parts[s, r] = coded_dot(types[2], row, act_codes[s], act_extra[s])
+    for t in range(tokens):  # each row's slots summed in its routing's order
+        out[t] = 0.0
+        for j in range(top_k):
+            out[t] += weights[t, j] * parts[t * top_k + j]
 
 
 # the coded kernels compile gguf_vector.py's vector code in (and cpu_numba.py's, which it imports), and the bf16
