@@ -2,9 +2,9 @@
 own (LLVM instructions through numba's intrinsics), after llama.cpp's AVX2 code: pmaddubsw multiplies 32 unsigned
 weight codes with 32 signed activation codes and sums them in pairs (int16), and pmaddwd sums those in pairs again
 (int32), times Q6_K's integer scales or 1. Where the CPU has AVX-512 VNNI, Q4_K's and Q8_0's runs take one vpdpbusd
-(the products summed in fours, int32) instead of that pair, which LLVM does not fuse: on an AVX-512 EPYC a Q4_K
-matrix's rows ran 4-10% faster on one thread, and Q4_K_M decoding 4-10%. Each run of 32 inputs gives eight int32
-lanes:
+(the products summed in fours, int32) instead of that pair, which LLVM does not fuse: on an AVX-512 EPYC one thread
+read a Q4_K matrix the caches hold at 19.7-20.5 GB/s against 17.9-19.0, and Q4_K_M decoding was 4-18% faster in four
+of five alternating runs. Each run of 32 inputs gives eight int32 lanes:
 - a K-type block's 8 runs are summed across their lanes by a tree of vphaddd (run_totals), turned into fp32 once, and
   scaled per run (by the activations' step, and Q4_K's 6-bit scale) in one multiply: measured on an AVX-512 EPYC, a
   Q4_K block took 6.4 ns where a conversion and a multiply-add a run took 7.7;
