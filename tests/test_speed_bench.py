@@ -13,7 +13,6 @@ def test_a_measurement_killed_by_sigill_names_the_no_amx_build():
         speed.run_child(command, {})
 
 
-
 def test_prefill_and_decode_sizes_override_the_defaults_and_quick():
     assert speed.measured_sizes(False, None, None) == (512, 128)
     assert speed.measured_sizes(True, None, None) == (128, 32)

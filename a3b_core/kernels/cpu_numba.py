@@ -489,7 +489,15 @@ def routed_step(fmt, inter, gu_q, gu_scale, dn_q, dn_scale, x, ids, weights, out
             if expert_of[s] == u:
                 rows_dot(fmt, dn_q, dn_scale, experts[u], first, end, act[s], act_extras[s], act_codes[s],
                          parts[s, first:end])
-    for t in range(tokens):
+    add_slots(parts, weights, out)
+
+
+@njit(cache=True, fastmath=FAST, inline="always")
+def add_slots(parts, weights, out):
+    """out[t] += weights[t, j] * parts[t * k + j] for each slot j of row t, in routing order: a routed step's experts'
+    results (parts [T * k, H]) summed as routed_step and gguf_numba.coded_routed_step sum them."""
+    top_k = weights.shape[1]
+    for t in range(out.shape[0]):
         for j in range(top_k):
             out[t] += weights[t, j] * parts[t * top_k + j]
 

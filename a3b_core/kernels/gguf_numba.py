@@ -503,10 +503,8 @@ def coded_routed_step(types, row_bytes, inter, gate_up, down, x, ids, weights, o
         for r in range(b * ROW_BLOCK, min(hidden, (b + 1) * ROW_BLOCK)):
             row = down[e, r * row_bytes[2]:(r + 1) * row_bytes[2]]
             parts[s, r] = coded_dot(types[2], row, act_codes[s], act_extra[s])
-    for t in range(tokens):  # each row's slots summed in its routing's order
-        out[t] = 0.0
-        for j in range(top_k):
-            out[t] += weights[t, j] * parts[t * top_k + j]
+    out[:] = 0.0
+    cpu_numba.add_slots(parts, weights, out)
 
 
 # the coded kernels compile gguf_vector.py's vector code in (and cpu_numba.py's, which it imports), and the bf16
